@@ -30,6 +30,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import threading
 import time
 from collections.abc import AsyncIterator, Iterable, Iterator
 from collections.abc import Set as AbstractSet
@@ -41,6 +42,7 @@ import msgspec
 from dsec.edge.backend import DeathSink, Leftover
 from dsec.edge.backends.container.box import Box
 from dsec.edge.backends.container.images import ImageResolver, RootLayers, StoreImages
+from dsec.edge.backends.container.linux import fstatfs_type
 from dsec.edge.backends.container.snapshot import ContainerSnapshots
 from dsec.edge.backends.vm import agentproto as ap
 from dsec.edge.backends.vm.density import (
@@ -49,6 +51,7 @@ from dsec.edge.backends.vm.density import (
     PmemLayer,
     guest_layer_devices,
     host_overhead_bytes,
+    pmem_layer_name,
     prepare_pmem_layer,
     qemu_args,
 )
@@ -109,6 +112,10 @@ __all__ = ["VmBackend"]
 log = logging.getLogger("dsec.edge.vm")
 
 DEFAULT_DISK_BYTES = 1 << 30
+#: free space a create leaves on the state filesystem beyond the scratch disk it reserves
+#: and the memory file a pause of the sandbox will write (vm.json, snapshot tars, logs)
+SCRATCH_SPARE_BYTES = 64 << 20
+TMPFS_MAGIC = 0x01021994
 #: QEMU's own memory beside guest RAM: the TCG cache (tb_size_mib) plus ~40 MiB of QEMU
 #: (measured RSS of an idle 128 MiB guest: ~60 MiB beyond its touched RAM).
 DEFAULT_OVERHEAD_BYTES = 96 << 20
@@ -152,6 +159,9 @@ class _Vm:
     oom_seen: int = 0
     dead: bool = False
     setup: ap.SetupResult | None = None     # what the agent mounted (diagnostics)
+    #: a pause's memory file: :meth:`VmBackend._save_memory` fsyncs the copy and renames
+    #: it here before QEMU quits (crash consistency: see adopt)
+    save_final: str | None = None
 
 
 def _drain_pipe(r: int, out: int) -> int:
@@ -341,6 +351,9 @@ class VmBackend:
         self.pool = (WarmPool(os.path.join(self.root_dir, "pool"),
                               max_templates=pool_max_templates) if warm_pool else None)
         self._building: dict[str, asyncio.Task[str | None]] = {}
+        # a padded pmem copy is made and opened under this lock, and removed (GC) under
+        # it: a copy no VM references is never unlinked between the two
+        self._pmem_lock = threading.Lock()
 
     @property
     def _pmem(self) -> bool:
@@ -411,6 +424,48 @@ class VmBackend:
         except FileNotFoundError:
             pass
 
+    def _reclaim_uid(self, vm: _Vm) -> None:
+        """Claim ``vm.rec.uid`` again for an adopted sandbox (blocking). The claims live
+        in ``uid_dir`` (a tmpfs, /run): after a reboot they are gone while records of
+        paused sandboxes are not, so the claim is rebuilt from the record here. A uid
+        another backend (or another live sandbox of ours) claimed meanwhile goes to that
+        one: a paused VM (no process yet) takes a new uid (resume starts QEMU as it);
+        a running one cannot change uid and is refused (BackendError)."""
+        os.makedirs(self.uid_dir, mode=0o700, exist_ok=True)
+        uid = vm.rec.uid
+        path = os.path.join(self.uid_dir, str(uid))
+        mine = f"{self.key} {vm.sid}\n".encode()
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        except FileExistsError:
+            try:
+                with open(path, "rb") as f:
+                    owner = f.read(200)
+            except FileNotFoundError:
+                owner = b""
+            key, _, osid = owner.decode(errors="replace").strip().partition(" ")
+            other = self._vms.get(osid)
+            if owner == mine or (key == self.key and (
+                    other is None or other is vm or other.rec.uid != uid)):
+                _write_text(path, mine.decode())     # ours, or a stale claim of ours
+                self._uids.add(uid)
+                return
+            if vm.rec.paused:
+                vm.rec.uid = self._alloc_uid(vm.sid)
+                log.warning("vm sandbox %s: its uid %d is claimed by %r (%s); the paused "
+                            "sandbox takes uid %d", vm.sid, uid, owner[:80], path,
+                            vm.rec.uid)
+                self._save(vm)
+                return
+            raise BackendError(
+                f"sandbox {vm.sid}: its QEMU runs as uid {uid}, which {path} says belongs "
+                f"to {owner[:80]!r}; two VMs must not share a uid, so it is not adopted")
+        try:
+            os.write(fd, mine)
+        finally:
+            os.close(fd)
+        self._uids.add(uid)
+
     def _stale_uid_claims(self, live: AbstractSet[str]) -> None:
         """Remove this backend's uid claims whose sandbox is not in ``live``."""
         try:
@@ -462,6 +517,36 @@ class VmBackend:
             raise
         return layers, files
 
+    def _gc_pmem(self) -> None:
+        """Remove the padded pmem copies (``<root_dir>/pmem``) no VM of this backend
+        references (blocking). A copy is named after its layer's path, size and mtime:
+        a layer deleted from the store (a deleted snapshot) or rewritten matches no
+        name any more and its copy goes. A running QEMU keeps its own descriptor of a
+        copy, so unlinking one in use costs sharing, never correctness; the lock keeps
+        a copy from going between its making and its opening in :meth:`_launch`."""
+        d = os.path.join(self.root_dir, "pmem")
+        with self._pmem_lock:
+            try:
+                entries = list(os.scandir(d))
+            except FileNotFoundError:
+                return
+            want = set()
+            for vm in list(self._vms.values()):
+                for p in vm.rec.layer_files:
+                    with contextlib.suppress(OSError):
+                        st = os.stat(p)
+                        want.add(pmem_layer_name(p, st.st_size, st.st_mtime_ns))
+            now = time.time()
+            for e in entries:
+                if e.name in want:
+                    continue
+                with contextlib.suppress(FileNotFoundError):
+                    # a temp file is a copy being made (prepare_pmem_layer, under the
+                    # lock in this process) or one an edge crash left: old ones go
+                    if ".tmp." in e.name and now - e.stat().st_mtime < 600:
+                        continue
+                    os.unlink(e.path)
+
     def _pack_dir(self, path: str) -> str:
         st = os.stat(path)
         key = hashlib.sha256(f"{path}\0{st.st_ino}\0{st.st_mtime_ns}".encode()).hexdigest()[:24]
@@ -510,8 +595,9 @@ class VmBackend:
                 # QEMU opens mem-path itself and cannot reach our private dirs
                 pmem = []
                 for p in vm.rec.layer_files:
-                    pl = prepare_pmem_layer(p, os.path.join(self.root_dir, "pmem"))
-                    fd = ro(pl.path)
+                    with self._pmem_lock:
+                        pl = prepare_pmem_layer(p, os.path.join(self.root_dir, "pmem"))
+                        fd = ro(pl.path)
                     extra_fds.append(fd)
                     pmem.append(PmemLayer(f"/proc/self/fd/{fd}", pl.size))
                 disks = []
@@ -926,7 +1012,7 @@ class VmBackend:
         path = os.path.join(vm.dir, "scratch.img")
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
-            os.ftruncate(fd, vm.rec.disk_bytes)
+            self._reserve_scratch(vm, fd)
         finally:
             os.close(fd)
         r = subprocess.run(["mkfs.ext4", "-q", "-F", "-m", "0", "-E",
@@ -935,6 +1021,40 @@ class VmBackend:
         if r.returncode != 0:
             raise BackendError(f"mkfs.ext4 of the scratch disk of sandbox {vm.sid} failed: "
                                f"{r.stderr.decode(errors='replace')[:300]}")
+
+    def _reserve_scratch(self, vm: _Vm, fd: int) -> None:
+        """Size the scratch disk ``fd`` to the disk cap with its blocks reserved on the
+        state filesystem (fallocate), so a tenant writing up to its cap can never take
+        the blocks of other sandboxes' disks, vm.json or pause memory files: the
+        filesystem is the disk pool of this tier and a create it cannot hold is refused
+        (CapacityExceeded), not overcommitted. The create also wants room left for the
+        sandbox's pause (its memory file) and a spare. QEMU attaches the disk with
+        ``discard=ignore`` so the guest cannot hand the reservation back (qemu.py).
+        On a tmpfs (tests) fallocate would take RAM: only the check applies there."""
+        size = vm.rec.disk_bytes
+        st = os.fstatvfs(fd)
+        free = st.f_bavail * st.f_frsize
+        need = size + (vm.rec.memory_mib << 20) + SCRATCH_SPARE_BYTES
+        if free < need:
+            raise CapacityExceeded(
+                f"sandbox {vm.sid}: its {size >> 20} MiB disk (reserved at create) plus room "
+                f"to pause its {vm.rec.memory_mib} MiB of memory and "
+                f"{SCRATCH_SPARE_BYTES >> 20} MiB spare need {need >> 20} MiB on the vm "
+                f"tier's state filesystem ({self.root_dir}); {free >> 20} MiB are free: "
+                "ask for a smaller disk_bytes, or free space / add capacity on the node")
+        os.ftruncate(fd, size)
+        if fstatfs_type(fd) == TMPFS_MAGIC:
+            return
+        try:
+            os.posix_fallocate(fd, 0, size)
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise CapacityExceeded(
+                    f"sandbox {vm.sid}: reserving its {size >> 20} MiB disk on the vm "
+                    f"tier's state filesystem ({self.root_dir}) failed: it is full; ask "
+                    "for a smaller disk_bytes or free space on the node") from exc
+            raise BackendError(f"sandbox {vm.sid}: reserving its {size >> 20} MiB scratch "
+                               f"disk failed: {exc.strerror or exc}") from exc
 
     async def _teardown(self, vm: _Vm) -> None:
         """Kill and remove everything of ``vm`` (idempotent)."""
@@ -961,8 +1081,22 @@ class VmBackend:
             await self.discard(sid)
             return
         await self._teardown(vm)
+        if self._pmem:
+            await asyncio.to_thread(self._gc_pmem)
 
     async def adopt(self, sid: SandboxId, spec: SandboxSpec) -> bool:
+        """Take over a sandbox an earlier edge left, deciding from what is on the host,
+        not only from ``vm.json``: an edge killed mid-pause or mid-resume wrote its
+        record before or after the step it was in (crash consistency, docs/vm-host.md).
+
+        - A live QEMU of the sandbox (found by its marker) is continued and adopted
+          running: a pause cut off leaves it stopped (``cont``; its partial ``mem.part``
+          is dropped), a resume cut off leaves the restored guest running under a record
+          that still says paused (the record is corrected; ``mem.bin``, now stale, goes).
+          A QEMU still restoring (its guest never ran) is killed: the sandbox stays paused.
+        - No QEMU: ``mem.bin`` (written fsynced, renamed into place last) means the
+          sandbox is paused, whatever the record says; else it is gone.
+        """
         d = os.path.join(self.root_dir, "sb", sid)
         try:
             raw = await asyncio.to_thread(_read_bytes, os.path.join(d, "vm.json"))
@@ -970,24 +1104,113 @@ class VmBackend:
         except (OSError, msgspec.DecodeError):
             return False
         vm = _Vm(sid=sid, spec=spec, dir=d, rec=rec, cg=self.governor.paths(sid))
-        self._uids.add(rec.uid)
         self._vms[sid] = vm
+        mem = os.path.join(d, "mem.bin")
         try:
             vm.layers = self.images.acquire(spec)
-            if rec.paused:
-                return os.path.exists(os.path.join(d, "mem.bin"))
-            if not self._alive(vm) or self._marker_sid(rec.pid) != sid:
-                await self._teardown(vm)
-                return False
-            vm.pidfd = os.pidfd_open(rec.pid)
-            vm.qmp = await Qmp.connect(os.path.join(d, "q"), what=f"sandbox {sid}")
-            vm.link = await AgentLink.open(os.path.join(d, "a"), sid, timeout=30.0)
-            self._arm_death(vm)
-            return True
+            await asyncio.to_thread(self._reclaim_uid, vm)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(d, "mem.part"))    # a pause cut off: never complete
+            if await self._adopt_qemu(vm):
+                return True
+            if os.path.exists(mem):
+                if not rec.paused:     # the pause completed; its record was not written
+                    rec.paused, rec.pid, rec.start = True, 0, 0
+                    self._save(vm)
+                return True
+            await self._teardown(vm)
+            return False
         except DsecError as exc:
             log.warning("vm sandbox %s could not be adopted: %s", sid, exc)
             await self._teardown(vm)
             return False
+
+    async def _adopt_qemu(self, vm: _Vm) -> bool:
+        """Find the sandbox's live QEMU and continue it as the running sandbox (True);
+        False when there is none (or it is killed: still restoring, or several)."""
+        sid, rec = vm.sid, vm.rec
+        pids = (await asyncio.to_thread(self._qemu_pids)).get(sid, [])
+        if not pids:
+            return False
+        if len(pids) > 1:
+            log.warning("vm sandbox %s: %d QEMUs %s on the host; none is adopted",
+                        sid, len(pids), pids)
+            await self._discard_qemus(sid, pids)
+            return False
+        pid = pids[0]
+        try:
+            vm.pidfd = os.pidfd_open(pid)
+        except OSError:
+            return False
+        if self._marker_sid(pid) != sid:       # the pid was reused since the scan
+            self._close_handles(vm)
+            return False
+        rec.pid, rec.start = pid, start_time(pid) or 0
+        was_paused = rec.paused
+        try:
+            vm.qmp = await Qmp.connect(os.path.join(vm.dir, "q"), what=f"sandbox {sid}")
+            if not await self._continue(vm):
+                raise BackendError(f"sandbox {sid}: its QEMU (pid {pid}) was still "
+                                   "restoring the guest's memory when the edge stopped")
+            vm.link = await AgentLink.open(os.path.join(vm.dir, "a"), sid, timeout=30.0)
+            if rec.boot_id and vm.link.hello_reply.boot_id != rec.boot_id:
+                raise BackendError(f"sandbox {sid}: the guest in QEMU pid {pid} is not the "
+                                   "sandbox's (boot id changed)")
+            if not vm.link.hello_reply.setup_done:
+                raise BackendError(f"sandbox {sid}: the guest in QEMU pid {pid} was never "
+                                   "set up (the edge stopped during its create)")
+        except DsecError as exc:
+            if not was_paused:
+                raise
+            # the memory file is still the sandbox: keep it paused, kill this QEMU
+            log.warning("vm sandbox %s: the QEMU of a resume cut off is killed, the "
+                        "sandbox stays paused: %s", sid, exc)
+            if vm.link is not None:
+                await vm.link.close()
+                vm.link = None
+            self._kill(vm)
+            await self._wait_exit(vm, 5.0)
+            self._close_handles(vm)
+            rec.paused, rec.pid, rec.start = True, 0, 0
+            return False
+        if was_paused:
+            rec.paused = False
+            log.warning("vm sandbox %s: adopted the running QEMU (pid %d) of a resume the "
+                        "edge did not finish", sid, pid)
+        self._save(vm)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(vm.dir, "mem.bin"))    # the running guest supersedes it
+        self._arm_death(vm)
+        return True
+
+    async def _continue(self, vm: _Vm) -> bool:
+        """Get an adopted QEMU's guest running: a migration (pause) still in progress
+        is cancelled, a stopped guest continued. False if it is still restoring an
+        incoming memory file (its guest never ran since the save)."""
+        assert vm.qmp is not None
+        deadline = time.monotonic() + 30.0
+        while True:
+            r = await vm.qmp.execute("query-migrate")
+            mig = r.get("status") if isinstance(r, dict) else None
+            if mig not in ("setup", "active", "pre-switchover", "device", "cancelling",
+                           "wait-unplug"):
+                break
+            await vm.qmp.execute("migrate_cancel")
+            if time.monotonic() > deadline:
+                raise Timeout(f"sandbox {vm.sid}: the interrupted save of its memory did "
+                              "not cancel within 30s")
+            await asyncio.sleep(0.05)
+        with contextlib.suppress(DsecError):
+            await vm.qmp.execute("closefd", {"fdname": "mig"})
+        st = await vm.qmp.execute("query-status")
+        status = st.get("status") if isinstance(st, dict) else None
+        if status in ("inmigrate", "prelaunch", "restore-vm"):
+            return False
+        if status != "running":
+            log.warning("vm sandbox %s: adopted QEMU found %s (a pause cut off): continued",
+                        vm.sid, status)
+            await vm.qmp.execute("cont")
+        return True
 
     def _marker_sid(self, pid: int) -> str | None:
         try:
@@ -1015,9 +1238,11 @@ class VmBackend:
                 f"pausing sandbox {sid} needs up to {vm.rec.memory_mib} MiB on the host's "
                 f"disk for its memory, only {room >> 20} MiB are free")
         part = os.path.join(vm.dir, "mem.part")
-        await self._save_memory(vm, part)
-        await asyncio.to_thread(_fsync, part)     # durable before the pause is recorded
-        os.replace(part, os.path.join(vm.dir, "mem.bin"))
+        vm.save_final = os.path.join(vm.dir, "mem.bin")
+        try:
+            await self._save_memory(vm, part)     # mem.bin in place, fsynced, QEMU gone
+        finally:
+            vm.save_final = None
         vm.rec.paused, vm.rec.pid, vm.rec.start = True, 0, 0
         self._save(vm)
         # QEMU is gone; what its cgroup still holds is page cache of the memory file and
@@ -1059,7 +1284,18 @@ class VmBackend:
             # (before QEMU quits: a copy that failed must leave the guest running)
             async with asyncio.timeout(60.0):
                 await asyncio.shield(copier)
+            if vm.save_final is not None:
+                # complete, durable and in place before QEMU quits: an edge killed from
+                # here on leaves the stopped QEMU (adopt continues it, mem.bin is then
+                # stale) or, once it quit, mem.bin (adopt: paused); mem.bin is never
+                # there incomplete
+                await asyncio.to_thread(os.fsync, out)
+                os.replace(part, vm.save_final)
+                await asyncio.to_thread(_fsync, vm.dir)
         except BaseException as exc:
+            if vm.save_final is not None:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(vm.save_final)
             with contextlib.suppress(Exception):
                 await vm.qmp.execute("migrate_cancel")
             with contextlib.suppress(Exception):
@@ -1132,6 +1368,11 @@ class VmBackend:
         if not vm.rec.paused:
             return
         mem = os.path.join(vm.dir, "mem.bin")
+        live = (await asyncio.to_thread(self._qemu_pids)).get(sid, [])
+        if live:
+            raise Conflict(f"sandbox {sid} is paused but QEMU {live} of it still runs on "
+                           "the host (an interrupted resume); restart the edge to adopt "
+                           "or remove it", sandbox_id=sid)
         await self._start(vm, incoming=mem)
         assert vm.link is not None
         if vm.rec.boot_id and vm.link.hello_reply.boot_id != vm.rec.boot_id:
@@ -1413,7 +1654,24 @@ class VmBackend:
             left = await self._discard_one(sid, procs.get(sid, []))
             if left is not None and not sid.startswith("pool-"):  # a template builder's
                 out.append(left)
+        for sid in sorted(set(procs) & set(keep) & set(self._vms)):
+            await self._stray_qemus(self._vms[sid], procs[sid])
+        await asyncio.to_thread(self._gc_pmem)
         return out
+
+    async def _stray_qemus(self, vm: _Vm, pids: list[int]) -> None:
+        """Kill QEMUs of a kept (live) sandbox other than the one it runs as (a paused
+        one has none): e.g. one an edge killed mid-resume started that adopt could not
+        take over. Skipped while a pause, resume or snapshot of it runs (its lock) or
+        its create has not started QEMU yet: a QEMU starting then is not stray."""
+        if vm.lock.locked() or vm.dead or (not vm.rec.paused and vm.rec.pid == 0):
+            return
+        stray = [p for p in pids if vm.rec.paused or p != vm.rec.pid]
+        if stray:
+            log.warning("vm sandbox %s: killing QEMU %s, not the process the edge runs it "
+                        "as (%s)", vm.sid, stray,
+                        "paused" if vm.rec.paused else f"pid {vm.rec.pid}")
+            await self._discard_qemus(vm.sid, stray)
 
     async def discard(self, sid: SandboxId) -> Leftover | None:
         if sid in self._vms:
@@ -1421,8 +1679,9 @@ class VmBackend:
         procs = await asyncio.to_thread(self._qemu_pids)
         return await self._discard_one(sid, procs.get(sid, []))
 
-    async def _discard_one(self, sid: str, pids: list[int]) -> Leftover | None:
-        what = []
+    async def _discard_qemus(self, sid: str, pids: list[int]) -> str:
+        """SIGKILL the QEMUs ``pids`` of ``sid`` (each checked by its marker through a
+        pidfd: a pid reused since the scan is left alone); what was killed, or ""."""
         killed = 0
         for pid in pids:
             with contextlib.suppress(ProcessLookupError, OSError):
@@ -1435,8 +1694,13 @@ class VmBackend:
                         killed += 1
                 finally:
                     os.close(fd)
+        return f"{killed} QEMU process(es)" if killed else ""
+
+    async def _discard_one(self, sid: str, pids: list[int]) -> Leftover | None:
+        what = []
+        killed = await self._discard_qemus(sid, pids)
         if killed:
-            what.append(f"{killed} QEMU process(es)")
+            what.append(killed)
         cg = self.governor.paths(sid)
         if self.governor.exists(cg):
             self.governor.kill_all(cg)

@@ -134,10 +134,12 @@ def qemu_argv(spec: VmSpec) -> list[str]:
              "-device", "virtserialport,bus=vser0.0,chardev=agent,name=dsec.agent"]
     for i, d in enumerate(spec.disks):
         # writable: a full host filesystem is an I/O error in the guest, not a VM
-        # silently stopped (QEMU's default werror=enospc pauses it); blocks the guest
-        # discards are punched out of the sparse file
+        # silently stopped (QEMU's default werror=enospc pauses it). Guest
+        # discards are ignored: the scratch file is fallocated at create (the reservation
+        # that keeps one tenant from filling the node's disk, backend.py) and a discard
+        # would punch the reservation away; zero writes keep their blocks (ZERO_RANGE)
         ro = (",readonly=on" if d.readonly else
-              ",werror=report,rerror=report,discard=unmap,detect-zeroes=unmap")
+              ",werror=report,rerror=report,discard=ignore,detect-zeroes=on")
         argv += ["-add-fd", f"fd={d.fd},set={i + 1}"]
         if not d.readonly:
             if d.rw_fd is None:

@@ -1,0 +1,163 @@
+"""The vm backend's durability and host resources beyond the red-team repros
+(tests/security/redteam21/test_a_vm_*): the other cut-off points of a pause, the uid
+claim rebuilt on adopt when it conflicts, the pmem copy GC keeping what live VMs use,
+the scratch disk reservation."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+import pytest
+
+from dsec.edge.backends.container import DirectoryImages
+from dsec.edge.backends.container.linux import fstatfs_type
+from dsec.edge.backends.vm.backend import TMPFS_MAGIC, VmBackend, _Record, _Vm
+from dsec.edge.backends.vm.density import DensityOptions, prepare_pmem_layer
+from dsec.errors import BackendError, CapacityExceeded
+from dsec.ids import SandboxId
+from dsec.wire.spec import SandboxSpec
+
+pytestmark = [pytest.mark.root,
+              pytest.mark.skipif(os.geteuid() != 0, reason="needs root (cgroups)")]
+
+SPEC = SandboxSpec(image="base", memory_bytes=128 << 20, disk_bytes=32 << 20, backend="vm",
+                   project="default")
+
+
+@pytest.fixture
+async def bare(tmp_path: Any) -> AsyncIterator[VmBackend]:
+    """A backend that never boots (no kernel): records, claims, files only."""
+    d = str(tmp_path)
+    os.makedirs(os.path.join(d, "images", "base"))
+    b = VmBackend(root_dir=os.path.join(d, "vm"), images=DirectoryImages(
+        os.path.join(d, "images")), kernel="/none", initrd="/none",
+        uid_dir=os.path.join(d, "uids"), density=DensityOptions())
+    try:
+        yield b
+    finally:
+        await b.close()
+        with contextlib.suppress(OSError):
+            b.governor.remove_base()
+
+
+def _vm(b: VmBackend, sid: str, **rec: Any) -> _Vm:
+    d = os.path.join(b.root_dir, "sb", sid)
+    os.makedirs(d, mode=0o700, exist_ok=True)
+    return _Vm(sid=sid, spec=SPEC, dir=d, rec=_Record(sid=sid, **rec),
+               cg=b.governor.paths(sid))
+
+
+def test_uid_claimed_by_another_edge_paused_takes_a_new_one_running_is_refused(
+        bare: VmBackend) -> None:
+    b = bare
+    os.makedirs(b.uid_dir, exist_ok=True)
+    with open(os.path.join(b.uid_dir, str(b.uid_base)), "w") as f:
+        f.write("otherbackend sb-x\n")
+    paused = _vm(b, "sb-p", uid=b.uid_base, paused=True, memory_mib=128)
+    b._reclaim_uid(paused)
+    assert paused.rec.uid != b.uid_base
+    with open(os.path.join(b.uid_dir, str(paused.rec.uid))) as f:
+        assert f.read() == f"{b.key} sb-p\n"
+    with open(os.path.join(paused.dir, "vm.json"), "rb") as f:   # the new uid is recorded
+        assert msgspec.json.decode(f.read(), type=_Record).uid == paused.rec.uid
+    running = _vm(b, "sb-r", uid=b.uid_base, pid=1, memory_mib=128)
+    with pytest.raises(BackendError, match="must not share a uid"):
+        b._reclaim_uid(running)
+    with open(os.path.join(b.uid_dir, str(b.uid_base))) as f:
+        assert f.read() == "otherbackend sb-x\n"                  # left to its owner
+
+
+async def test_pmem_gc_keeps_copies_live_vms_use(bare: VmBackend, tmp_path: Any) -> None:
+    b = bare
+    used, gone = (os.path.join(str(tmp_path), n) for n in ("used.erofs", "gone.erofs"))
+    for p in (used, gone):
+        with open(p, "wb") as f:  # noqa: ASYNC230
+            f.write(os.urandom(3 << 20))                   # not 2 MiB aligned: copied
+    pmem = os.path.join(b.root_dir, "pmem")
+    keep = prepare_pmem_layer(used, pmem).path
+    drop = prepare_pmem_layer(gone, pmem).path
+    vm = _vm(b, "sb-live", uid=b.uid_base, paused=True, layer_files=[used])
+    b._vms[vm.sid] = vm
+    try:
+        await b.reconcile({vm.sid})
+        assert os.path.exists(keep) and not os.path.exists(drop)
+    finally:
+        b._vms.clear()
+    await b.reconcile(set())
+    assert os.listdir(pmem) == []
+
+
+def test_scratch_is_reserved_and_a_disk_beyond_the_filesystem_is_refused(
+        bare: VmBackend) -> None:
+    b = bare
+    vm = _vm(b, "sb-s", uid=b.uid_base, memory_mib=128, disk_bytes=16 << 20)
+    path = os.path.join(vm.dir, "scratch.img")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        b._reserve_scratch(vm, fd)
+        st = os.fstat(fd)
+        assert st.st_size == 16 << 20
+        if fstatfs_type(fd) != TMPFS_MAGIC:                     # (tmpfs: checked only)
+            assert st.st_blocks * 512 >= 16 << 20              # allocated, not sparse
+        vm.rec.disk_bytes = 1 << 60
+        with pytest.raises(CapacityExceeded, match="disk_bytes"):
+            b._reserve_scratch(vm, fd)
+    finally:
+        os.close(fd)
+
+
+# -- a real guest: the edge killed after the memory file, before the record ------------
+
+_EDGE = """
+import asyncio, os, signal, sys
+from dsec.edge.backends.container.images import StoreImages
+from dsec.edge.backends.vm.backend import VmBackend
+from dsec.image import LayerStore, MountCache
+from dsec.wire.spec import SandboxSpec
+root, store, kernel, initrd, sid = sys.argv[1:6]
+class Edge(VmBackend):
+    armed = False
+    def _save(self, vm):          # pause: mem.bin complete, vm.json not yet "paused"
+        if self.armed and vm.rec.paused:
+            os.kill(os.getpid(), signal.SIGKILL)
+        super()._save(vm)
+async def main():
+    b = Edge(root_dir=root, images=StoreImages(LayerStore(store), MountCache()),
+             kernel=kernel, initrd=initrd)
+    await b.create(sid, SandboxSpec(image="base", memory_bytes=128 << 20,
+                                    disk_bytes=32 << 20, backend="vm", project="default"))
+    await b.write_file(sid, "/root/mine", b"1")
+    print("ready", flush=True)
+    b.armed = True
+    await b.pause(sid)
+asyncio.run(main())
+"""
+
+
+async def test_edge_killed_after_the_memory_file_adopts_the_sandbox_paused(
+        vm_backend: VmBackend, vm_store: Any, boot_files: tuple[str, str]) -> None:
+    b = vm_backend
+    sid = SandboxId("sb-fxvm2-savedpause")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    p = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", _EDGE, b.root_dir, vm_store.root, *boot_files, sid, env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    out, err = await p.communicate()
+    assert p.returncode == -signal.SIGKILL and b"ready" in out, err[-2000:]
+    d = os.path.join(b.root_dir, "sb", sid)
+    with open(os.path.join(d, "vm.json"), "rb") as f:  # noqa: ASYNC230
+        assert not msgspec.json.decode(f.read(), type=_Record).paused
+    assert not b._qemu_pids().get(sid)
+    assert await b.adopt(sid, SPEC)
+    assert b._vms[sid].rec.paused
+    await b.reconcile({sid})
+    await b.resume(sid)
+    assert await b.read_file(sid, "/root/mine") == b"1"
