@@ -547,7 +547,7 @@ async def test_guest_exec_stream_timeout_and_signal(vm: Guest) -> None:
         r = await conn.call("exec", ap.ExecRequest(shell="sleep 300 & sleep 301",
                                                    timeout_s=0.5),
                             timeout=30, response_type=ap.ExecResult)
-        assert r.timed_out and r.exit_code == 137 and time.monotonic() - t0 < 10
+        assert r.timed_out and r.exit_code == 137 and time.monotonic() - t0 < 60  # not 301
         ps = await conn.call("exec", ap.ExecRequest(shell="ps -o args | grep -c '^sleep 30'"),
                              timeout=30, response_type=ap.ExecResult)
         assert ps.stdout.strip() == b"0", ps
@@ -725,11 +725,14 @@ class _Qmp:
 
     @classmethod
     async def open(cls, path: str) -> _Qmp:
-        for _ in range(500):
+        deadline = time.monotonic() + 60      # QEMU's start: seconds at host load 20
+        while True:
             try:
                 r, w = await asyncio.open_unix_connection(path)
                 break
             except OSError:
+                if time.monotonic() > deadline:
+                    raise
                 await asyncio.sleep(0.01)
         q = cls(r, w)
         await r.readline()                                  # greeting
