@@ -236,7 +236,10 @@ async def test_warm_pool_clones_a_saved_guest(vm_backend: VmBackend, cpu_load: A
     running, one paused)."""
     from dsec.edge.backends.vm.density import DensityOptions
 
-    b = VmBackend(root_dir=vm_backend.root_dir + "-warm", images=vm_backend.images,
+    # a short root: the template builder's agent socket is <root>/pool/<32 hex>.build/a,
+    # and a unix socket path has at most 107 bytes
+    b = VmBackend(root_dir=os.path.join(os.path.dirname(vm_backend.root_dir), "w"),
+                  images=vm_backend.images,
                   kernel=vm_backend.kernel, initrd=vm_backend.initrd,
                   append=vm_backend.append, console=True, density=DensityOptions(),
                   warm_pool=True)
