@@ -7,7 +7,8 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-from collections.abc import AsyncIterator, Iterator
+import subprocess
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import pytest
@@ -67,3 +68,21 @@ async def vm_backend(tmp_path: Any, boot_files: tuple[str, str],
         with contextlib.suppress(OSError):
             b.governor.remove_base()
         cache.close()
+
+
+@contextlib.contextmanager
+def _busy_loops(n: int) -> Iterator[None]:
+    procs = [subprocess.Popen(["sh", "-c", "while :; do :; done"]) for _ in range(n)]
+    try:
+        yield
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+@pytest.fixture
+def cpu_load() -> Callable[[int], contextlib.AbstractContextManager[None]]:
+    """``with cpu_load(n):`` runs n busy loops: the CI box runs these tests at host load
+    ~10, where a TCG guest's boot-time probing takes seconds, not milliseconds."""
+    return _busy_loops

@@ -1307,10 +1307,11 @@ static void h_diff(uint64_t sid, int streaming) {
 }
 
 /* ---------------------------------------------------------------- hello, stats, quiesce */
+static void put_devices(buf_t *b);
 static void h_hello(uint64_t sid) {
     struct utsname u; uname(&u);
     buf_t b = {0};
-    mp_map(&b, 7);
+    mp_map(&b, 10);
     mp_str(&b, "version"); mp_int(&b, PROTO_VERSION);
     mp_str(&b, "kernel"); mp_str(&b, u.release);
     mp_str(&b, "mem_total"); mp_int(&b, meminfo("MemTotal"));
@@ -1318,6 +1319,7 @@ static void h_hello(uint64_t sid) {
     mp_str(&b, "uptime_s"); mp_float(&b, now_mono() - t_boot);
     mp_str(&b, "setup_done"); mp_bool(&b, setup_done);
     mp_str(&b, "connections"); mp_int(&b, connections);
+    put_devices(&b);
     send_body(T_RESPONSE, sid, &b);
     buf_free(&b);
 }
@@ -1362,53 +1364,153 @@ static void h_stats(uint64_t sid) {
     send_body(T_RESPONSE, sid, &b);
     buf_free(&b);
 }
-/* vd: virtio-pmem regions (DAX layers) probe asynchronously on the nvdimm bus. A memory
- * image saved before that probe finished (the warm pool saves a guest right after hello,
- * while boot's module loader may still run) restored guests whose /dev/pmemN never
- * appeared (2 of 2 runs at load ~12). quiesce therefore waits for the module loader and
- * for one /dev/pmemN per virtio-pmem device (virtio device id 27), at most `secs`. */
-static void settle_pmem(double secs) {
+/* ---------------------------------------------------------------- devices
+ * A memory file saved before boot's module loader finished holds virtio devices no
+ * driver had touched yet; QEMU 7.2 restores such a device so that the probe after the
+ * restore fails (measured, warm-pool clones at load ~12: "virtio_pmem virtio1: virtio:
+ * device uses modern interface but does not have VIRTIO_F_VERSION_1", "probe with
+ * driver virtio_pmem failed with error -22", no /dev/pmem0; virtio-blk, being
+ * transitional, fell back to the legacy interface and worked). So hello and quiesce
+ * report what the guest has (block devices, virtio devices without a driver, whether
+ * the loader still runs), and quiesce can wait until everything is probed: the host
+ * saves a warm-pool template only when it says so, and refuses a clone that lacks a
+ * device (it boots cold instead). */
+static int loader_running(void) {
     if (modules_pid > 0) {
         int st;
-        while (waitpid(modules_pid, &st, 0) < 0 && errno == EINTR) {}
-        modules_pid = 0;
+        pid_t r = waitpid(modules_pid, &st, WNOHANG);
+        if (r == modules_pid || (r < 0 && errno == ECHILD)) modules_pid = 0;
     }
-    int n = 0;
-    DIR *d = opendir("/sys/bus/virtio/devices");
+    return modules_pid > 0;
+}
+/* virtio devices with no driver bound (not probed yet, or their probe failed): counted,
+ * and listed as "virtioN:<device id>" into b when b is not NULL */
+static uint32_t virtio_unbound(buf_t *b) {
+    uint32_t n = 0;
+    DIR *d = test_mode ? NULL : opendir("/sys/bus/virtio/devices");
+    if (!d) return 0;
+    struct dirent *de;
+    while ((de = readdir(d)) && n < 64) {
+        if (de->d_name[0] == '.' || strlen(de->d_name) > 200) continue;
+        char p[320], v[32] = {0};
+        snprintf(p, sizeof p, "/sys/bus/virtio/devices/%s/driver", de->d_name);
+        if (access(p, F_OK) == 0) continue;
+        n++;
+        if (!b) continue;
+        snprintf(p, sizeof p, "/sys/bus/virtio/devices/%s/device", de->d_name);
+        FILE *f = fopen(p, "re");
+        if (f) { if (!fgets(v, sizeof v, f)) v[0] = 0; fclose(f); }
+        v[strcspn(v, "\n")] = 0;
+        char item[280];
+        snprintf(item, sizeof item, "%s:%ld", de->d_name, strtol(v, NULL, 0));
+        mp_str(b, item);
+    }
+    closedir(d);
+    return n;
+}
+/* the keys devices/unbound/probing (3 map entries) */
+static void put_devices(buf_t *b) {
+    mp_str(b, "devices");
+    size_t at = mp_arr32_placeholder(b);
+    uint32_t n = 0;
+    DIR *d = test_mode ? NULL : opendir("/sys/block");
     if (d) {
         struct dirent *de;
-        while ((de = readdir(d))) {
+        while ((de = readdir(d)) && n < 256) {
             if (de->d_name[0] == '.') continue;
-            char p[320], v[32] = {0};
-            snprintf(p, sizeof p, "/sys/bus/virtio/devices/%s/device", de->d_name);
-            FILE *f = fopen(p, "re");
-            if (!f) continue;
-            if (fgets(v, sizeof v, f) && strtol(v, NULL, 0) == 27) n++;
-            fclose(f);
+            mp_str(b, de->d_name); n++;
         }
         closedir(d);
     }
+    mp_arr32_patch(b, at, n);
+    mp_str(b, "unbound");
+    at = mp_arr32_placeholder(b);
+    mp_arr32_patch(b, at, virtio_unbound(b));
+    mp_str(b, "probing"); mp_bool(b, loader_running());
+}
+/* a block device name the host may ask for: [a-z0-9], 1..31 characters */
+static int dev_name_ok(const char *s) {
+    size_t n = strlen(s);
+    return n > 0 && n < 32 && strspn(s, "abcdefghijklmnopqrstuvwxyz0123456789") == n;
+}
+/* wait (at most secs) until boot's module loader ended, every virtio device has a
+ * driver and /dev/<want[i]> exists for each i; 1 when all hold */
+static int settle(char **want, size_t nwant, double secs) {
     double end = now_mono() + secs;
-    for (int i = 0; i < n; i++) {
-        char p[64];
-        snprintf(p, sizeof p, "/dev/pmem%d", i);
-        while (access(p, F_OK) < 0 && now_mono() < end) usleep(5000);
+    for (;;) {
+        int ok = test_mode || (!loader_running() && virtio_unbound(NULL) == 0);
+        for (size_t i = 0; ok && !test_mode && i < nwant; i++) {
+            char p[64];
+            snprintf(p, sizeof p, "/dev/%s", want[i]);
+            if (access(p, F_OK) < 0) ok = 0;
+        }
+        if (ok) return 1;
+        if (now_mono() >= end) return 0;
+        usleep(5000);
     }
 }
 
 static void h_quiesce(uint64_t sid, mp_t body) {
     double t0 = now_mono();
     int drop = get_bool(body, "drop_caches", 1), compact = get_bool(body, "compact", 1);
-    if (!test_mode) settle_pmem(20.0);
+    size_t nwant = 0;
+    char **want = get_strv(body, "devices", 0, &nwant);
+    double secs = get_float(body, "settle_s", 0.0, NULL);
+    if (body_err[0]) { send_error(sid, "invalid_argument", "quiesce: %s", body_err); free_strv(want); return; }
+    if (nwant > 64) { send_error(sid, "invalid_argument", "quiesce: %zu devices, at most 64", nwant); free_strv(want); return; }
+    for (size_t i = 0; i < nwant; i++) if (!dev_name_ok(want[i])) {
+        send_error(sid, "invalid_argument", "quiesce: device %.40s is not a block device name ([a-z0-9], under 32 characters)", want[i]);
+        free_strv(want); return;
+    }
+    if (!(secs >= 0)) secs = 0;     /* NaN too */
+    if (secs > 120) secs = 120;
+    int settled = settle(want, nwant, secs);
+    free_strv(want);
     sync();
     if (!test_mode) {
         if (drop) write_file("/proc/sys/vm/drop_caches", "3");
         if (compact) write_file("/proc/sys/vm/compact_memory", "1");
     }
     buf_t b = {0};
-    mp_map(&b, 2);
+    mp_map(&b, 6);
     mp_str(&b, "duration_s"); mp_float(&b, now_mono() - t0);
     mp_str(&b, "mem_available"); mp_int(&b, meminfo("MemAvailable"));
+    mp_str(&b, "settled"); mp_bool(&b, settled);
+    put_devices(&b);
+    send_body(T_RESPONSE, sid, &b);
+    buf_free(&b);
+}
+
+/* ---------------------------------------------------------------- clock
+ * Under TCG the guest's clock runs on QEMU's virtual clock, which a memory file carries:
+ * a resumed guest or a warm-pool clone is behind by the time it spent saved. The host
+ * sends its own time after every restore. Bounded: a time outside 2024..2100 is refused
+ * (a host clock that far off is a bug to report, not a time to copy). */
+#define CLOCK_MIN_S 1704067200LL   /* 2024-01-01T00:00:00Z */
+#define CLOCK_MAX_S 4102444800LL   /* 2100-01-01T00:00:00Z */
+static void h_clock(uint64_t sid, mp_t body) {
+    mp_t v; mphead_t h;
+    if (mp_get(body, "unix_ns", &v) != 1 || mp_head(v.p, v.e, &h) != MP_INT) {
+        send_error(sid, "invalid_argument", "clock: field unix_ns must be an integer (nanoseconds since 1970, UTC)");
+        return;
+    }
+    int64_t ns = h.i;
+    if (ns < CLOCK_MIN_S * 1000000000LL || ns > CLOCK_MAX_S * 1000000000LL) {
+        send_error(sid, "invalid_argument", "clock: unix_ns %lld is outside 2024-01-01..2100-01-01; the guest clock was not changed", (long long)ns);
+        return;
+    }
+    struct timespec before;
+    clock_gettime(CLOCK_REALTIME, &before);
+    int set = 0;
+    if (!test_mode) {   /* a test agent runs on the host: never touch the host's clock */
+        struct timespec ts = { .tv_sec = ns / 1000000000LL, .tv_nsec = ns % 1000000000LL };
+        if (clock_settime(CLOCK_REALTIME, &ts) < 0) { send_errno(sid, errno, "clock_settime", ""); return; }
+        set = 1;
+    }
+    buf_t b = {0};
+    mp_map(&b, 2);
+    mp_str(&b, "set"); mp_bool(&b, set);
+    mp_str(&b, "step_s"); mp_float(&b, ns / 1e9 - (before.tv_sec + before.tv_nsec / 1e9));
     send_body(T_RESPONSE, sid, &b);
     buf_free(&b);
 }
@@ -1429,7 +1531,7 @@ static void dispatch(uint64_t sid, const uint8_t *pl, size_t n, int flags) {
         send_error(sid, "invalid_argument", "%s %s called with%s the STREAMING flag", m, wants_stream ? "is a streaming method but was" : "is a unary method but was", streaming ? "" : "out");
         return;
     }
-    int needs_root = strcmp(m, "hello") && strcmp(m, "setup") && strcmp(m, "stats") && strcmp(m, "quiesce") && strcmp(m, "signal");
+    int needs_root = strcmp(m, "hello") && strcmp(m, "setup") && strcmp(m, "stats") && strcmp(m, "quiesce") && strcmp(m, "signal") && strcmp(m, "clock");
     if (needs_root && !setup_done && strcmp(m, "exec") && strcmp(m, "exec_stream") && strcmp(m, "diff")) {
         send_error(sid, "conflict", "%s before setup: call setup first", m); return;
     }
@@ -1448,6 +1550,7 @@ static void dispatch(uint64_t sid, const uint8_t *pl, size_t n, int flags) {
     else if (!strcmp(m, "quiesce")) h_quiesce(sid, body);
     else if (!strcmp(m, "diff")) h_diff(sid, streaming);
     else if (!strcmp(m, "stats")) h_stats(sid);
+    else if (!strcmp(m, "clock")) h_clock(sid, body);
     else send_error(sid, "unknown_method", "the vm agent has no method %.200s", m);
 }
 

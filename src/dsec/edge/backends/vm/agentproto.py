@@ -27,6 +27,8 @@ from dsec.wire.spec import ExecChunk, ExecRequest, ExecResult, FileInfo
 
 __all__ = [
     "AGENT_PORT_NAME",
+    "CLOCK_MAX_NS",
+    "CLOCK_MIN_NS",
     "DEFAULT_MAX_FRAME",
     "ERROR_CODES",
     "MAX_EXEC_OUTPUT",
@@ -35,6 +37,8 @@ __all__ = [
     "PROTOCOL_VERSION",
     "SANDBOX_ROOT",
     "STREAMING_METHODS",
+    "ClockRequest",
+    "ClockResult",
     "DiffChunk",
     "DiffResult",
     "ExecChunk",
@@ -92,6 +96,14 @@ class Hello(msgspec.Struct, kw_only=True, omit_defaults=True):
     uptime_s: float = 0.0
     setup_done: bool = False
     connections: int = 0                # host (re)connections seen, this one included
+    #: what the guest has right now (docs/vm.md, "Devices"): its block devices (names in
+    #: /sys/block: "vda", "pmem0"), its virtio devices without a driver as
+    #: "virtioN:<virtio device id>" (not probed yet, or the probe failed), and whether
+    #: boot's module loader still runs. A warm-pool clone is used only when every device
+    #: the host attached is here, nothing is unbound and nothing is loading.
+    devices: list[str] = []
+    unbound: list[str] = []
+    probing: bool = False
 
 
 class SetupRequest(msgspec.Struct, kw_only=True, omit_defaults=True,
@@ -220,18 +232,52 @@ class Ok(msgspec.Struct, kw_only=True, omit_defaults=True):
 
 class QuiesceRequest(msgspec.Struct, kw_only=True, omit_defaults=True,
                      forbid_unknown_fields=True):
-    """Body of ``quiesce``, before pause/snapshot: sync(2) always, then optionally drop
-    the page cache (``/proc/sys/vm/drop_caches`` = 3) and compact memory
-    (``/proc/sys/vm/compact_memory``) so a saved memory file or a reported-free page
-    count is small."""
+    """Body of ``quiesce``, before pause/snapshot: first wait, at most ``settle_s``
+    seconds (0..120), until boot's module loader has ended, every virtio device has a
+    driver and ``/dev/<name>`` exists for each of ``devices`` (block device names,
+    ``[a-z0-9]{1,31}``); then sync(2), and optionally drop the page cache
+    (``/proc/sys/vm/drop_caches`` = 3) and compact memory (``/proc/sys/vm/compact_memory``)
+    so a saved memory file or a reported-free page count is small.
+
+    The wait exists for the warm pool: a guest saved before its devices were probed
+    restores into one whose probe fails (docs/vm.md, "Devices"), so a template is saved
+    only from a reply with ``settled`` true."""
 
     drop_caches: bool = True
     compact: bool = True
+    devices: list[str] = []
+    settle_s: float = 0.0
 
 
 class QuiesceResult(msgspec.Struct, kw_only=True, omit_defaults=True):
     duration_s: float = 0.0
     mem_available: int = 0              # bytes, after
+    settled: bool = False               # everything waited for was there in time
+    devices: list[str] = []             # as in Hello, after the wait
+    unbound: list[str] = []
+    probing: bool = False
+
+
+#: The guest clock is only ever set to a time in [2024-01-01, 2100-01-01) UTC.
+CLOCK_MIN_NS: Final = 1_704_067_200 * 10**9
+CLOCK_MAX_NS: Final = 4_102_444_800 * 10**9
+
+
+class ClockRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Body of ``clock``: set the guest's wall clock (CLOCK_REALTIME, clock_settime(2)) to
+    ``unix_ns``, the host's time in nanoseconds since 1970 UTC. The host calls it after
+    every restore (resume, warm-pool clone): under TCG the guest clock runs on QEMU's
+    virtual clock, which the memory file carries, so a restored guest is behind by the
+    time it spent saved. A time outside [CLOCK_MIN_NS, CLOCK_MAX_NS] is refused
+    (``invalid_argument``) and changes nothing. Needs no ``setup`` and no program in the
+    image."""
+
+    unix_ns: int
+
+
+class ClockResult(msgspec.Struct, kw_only=True, omit_defaults=True):
+    set: bool = False                   # False only for an agent in test mode (--fd)
+    step_s: float = 0.0                 # new time minus the guest's time before the call
 
 
 class DiffChunk(msgspec.Struct, kw_only=True):
@@ -291,6 +337,7 @@ METHODS: Final[dict[str, tuple[type | None, type]]] = {
     "quiesce": (QuiesceRequest, QuiesceResult),
     "diff": (None, DiffResult),                     # STREAM DiffChunk, then DiffResult
     "stats": (None, GuestStats),
+    "clock": (ClockRequest, ClockResult),
 }
 
 #: Methods called with ``Connection.stream`` (REQUEST with the STREAMING flag), and the

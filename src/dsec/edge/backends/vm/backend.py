@@ -57,7 +57,7 @@ from dsec.edge.backends.vm.density import (
 )
 from dsec.edge.backends.vm.density import kernel_cmdline as density_cmdline
 from dsec.edge.backends.vm.link import AgentLink
-from dsec.edge.backends.vm.pool import PoolKey, WarmPool
+from dsec.edge.backends.vm.pool import PoolKey, WarmPool, device_gaps, guest_block_devices
 from dsec.edge.backends.vm.qemu import (
     Disk,
     Qmp,
@@ -84,6 +84,7 @@ from dsec.errors import (
     Conflict,
     DsecError,
     InvalidArgument,
+    NotFound,
     QuotaExceeded,
     SandboxNotFound,
     Timeout,
@@ -124,7 +125,10 @@ QEMU_PIDS = 256
 UID_BASE = 300000
 UID_SLOTS = 65536
 MAX_READ_BYTES = 64 << 20
-PAUSE_DRAIN_S = 10.0            # how long a pause waits for the agent's calls in flight       # read_file without a length: larger files -> ranges
+PAUSE_DRAIN_S = 10.0            # how long a pause waits for the agent's calls in flight
+#: how long a warm-pool template's guest may take to probe its devices before it is saved
+#: (measured: ~10 s after hello at host load ~12 under TCG; the agent caps it at 120 s)
+TEMPLATE_SETTLE_S = 90.0
 
 
 class _Record(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -863,13 +867,17 @@ class VmBackend:
             template = self.pool.get(self._pool_key(rec)) if self.pool is not None else None
             if template is not None:
                 template = await self._start_warm(vm, template)
+            if template is not None:
+                try:
+                    await self._setup(vm)
+                except NotFound as exc:     # a device of the clone did not show up
+                    await self._warm_failed(vm, template, f"its setup failed: {exc}")
+                    template = None
             if template is None:
                 await self._start(vm, incoming=None)
+                await self._setup(vm)
             assert vm.link is not None
             rec.boot_id = vm.link.hello_reply.boot_id
-            await self._setup(vm)
-            if template is not None:
-                await self._sync_clock(vm)
             self._save(vm)
         except BaseException:
             await self._teardown(vm)
@@ -879,27 +887,44 @@ class VmBackend:
 
     # -- warm pool --------------------------------------------------------------------
     async def _start_warm(self, vm: _Vm, template: str) -> str | None:
-        """Start ``vm`` from the warm-pool ``template``; a template that cannot be
-        restored (or holds a guest already set up) is removed and None returned, and the
-        create boots cold instead of failing every time."""
+        """Start ``vm`` from the warm-pool ``template`` and set its clock; a template that
+        cannot be restored, holds a guest already set up, or restores into a guest
+        lacking one of its devices is removed and None returned: the create boots cold
+        (logged) instead of failing every time."""
         try:
             await self._start(vm, incoming=template)
             assert vm.link is not None
-            if not vm.link.hello_reply.setup_done:
+            h = vm.link.hello_reply
+            want = guest_block_devices(len(vm.rec.layer_files), pmem=self._pmem)
+            gaps = device_gaps(want, h.devices, h.unbound, h.probing)
+            if not h.setup_done and gaps is None:
+                await self._sync_clock(vm)
                 return template
-            why = "it holds a guest that was already set up"
-            await vm.link.close()
+            why = ("it holds a guest that was already set up" if h.setup_done else
+                   f"the restored guest is not ready: {gaps}")
+        except DsecError as exc:
+            why = str(exc)[:300]
+        await self._warm_failed(vm, template, why)
+        return None
+
+    async def _warm_failed(self, vm: _Vm, template: str, why: str) -> None:
+        """Stop the QEMU of a warm-pool clone that cannot be used (its directory, scratch
+        disk and cgroup stay for the cold boot), remove the template (the cold create
+        makes a new one afterwards) and log why."""
+        if vm.link is not None:
+            with contextlib.suppress(Exception):
+                await vm.link.close()
             vm.link = None
+        if vm.popen is not None:
             self._kill(vm)
             await self._wait_exit(vm, 5.0)
             self._close_handles(vm)
-        except DsecError as exc:
-            why = str(exc)[:300]
+        vm.popen = None
+        vm.setup = None
         log.warning("vm sandbox %s: warm-pool template %s not usable (%s): removed, "
-                    "booting cold", vm.sid, template, why)
+                    "booting cold", vm.sid, template, why[:600])
         with contextlib.suppress(FileNotFoundError):
             os.unlink(template)
-        return None
 
     def _pool_key(self, rec: _Record) -> PoolKey:
         return PoolKey(layer_files=tuple(rec.layer_files), memory_mib=rec.memory_mib,
@@ -962,7 +987,8 @@ class VmBackend:
             vm.cg = self.governor.create(name, self._limits(spec, rec.memory_mib))
             await self._start(vm, incoming=None)
             part = os.path.join(d, "mem.part")
-            await self._save_memory(vm, part)
+            await self._save_memory(vm, part, settle=guest_block_devices(
+                len(rec.layer_files), pmem=self._pmem))
             await asyncio.to_thread(_fsync, part)
             return self.pool.commit(key, part)
         except DsecError as exc:
@@ -972,24 +998,22 @@ class VmBackend:
             await self._teardown(vm)
 
     async def _sync_clock(self, vm: _Vm) -> None:
-        """Set the guest's wall clock to the host's after a restore. Under TCG the guest
-        clock runs on QEMU's virtual clock, which the memory file carries: a restored
-        guest lags by however long it was saved (measured: -13.6 s after an 8 s pause; a
-        warm-pool clone by the template's age). Stopgap until the agent has a time call:
-        ``date -u -s @<seconds>`` as root in the sandbox (busybox and coreutils both
-        take it); without a ``date`` the clock stays behind (logged)."""
-        if vm.link is None or not vm.link.hello_reply.setup_done and vm.setup is None:
+        """Set the guest's wall clock to the host's after a restore (agent ``clock``).
+        Under TCG the guest clock runs on QEMU's virtual clock, which the memory file
+        carries: a restored guest lags by however long it was saved (measured: -13.6 s
+        after an 8 s pause; a warm-pool clone by the template's age). A failure is logged,
+        not raised: the sandbox works with a late clock."""
+        if vm.link is None:
             return
         try:
-            res = await vm.link.exec(ExecRequest(
-                argv=("date", "-u", "-s", f"@{int(time.time())}"), user="root", cwd="/",
-                timeout_s=10.0, output_cap_bytes=4096))
+            r = await vm.link.call("clock", ap.ClockRequest(unix_ns=time.time_ns()),
+                                   ap.ClockResult, timeout=10.0)
         except DsecError as exc:
-            log.info("vm sandbox %s: guest clock not set after restore: %s", vm.sid, exc)
+            log.warning("vm sandbox %s: guest clock not set after restore: %s", vm.sid, exc)
             return
-        if res.exit_code != 0:
-            log.info("vm sandbox %s: guest clock not set after restore (date exited %d: "
-                     "%s)", vm.sid, res.exit_code, res.stderr[:200])
+        if abs(r.step_s) > 1.0:
+            log.info("vm sandbox %s: guest clock stepped %+.1f s after restore", vm.sid,
+                     r.step_s if abs(r.step_s) < 1e10 else 0.0)
 
     async def _setup(self, vm: _Vm) -> None:
         assert vm.link is not None
@@ -1252,9 +1276,12 @@ class VmBackend:
                           reclaimed_bytes=max(0, before - after),
                           duration_s=time.monotonic() - t0)
 
-    async def _save_memory(self, vm: _Vm, part: str) -> None:
+    async def _save_memory(self, vm: _Vm, part: str, *,
+                           settle: list[str] | None = None) -> None:
         """Quiesce the guest, stop it, write its memory and device state into ``part``
-        (QMP ``migrate fd:``) and quit QEMU. On failure the guest runs on."""
+        (QMP ``migrate fd:``) and quit QEMU. On failure the guest runs on. ``settle``
+        (warm-pool templates): the block devices the guest must have; the agent waits
+        for them and for every device to be probed, and no memory is saved otherwise."""
         assert vm.link is not None and vm.qmp is not None
         # The agent's port state travels with the memory: a call in flight now would be
         # answered into a socket that no longer exists (docs/vm.md). Let calls end first
@@ -1262,7 +1289,18 @@ class VmBackend:
         deadline = time.monotonic() + PAUSE_DRAIN_S
         while vm.link.conn.in_flight and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
-        await vm.link.call("quiesce", ap.QuiesceRequest(), ap.QuiesceResult, timeout=60.0)
+        if settle is None:
+            await vm.link.call("quiesce", ap.QuiesceRequest(), ap.QuiesceResult, timeout=60.0)
+        else:
+            q = await vm.link.call("quiesce", ap.QuiesceRequest(
+                devices=list(settle), settle_s=TEMPLATE_SETTLE_S), ap.QuiesceResult,
+                timeout=TEMPLATE_SETTLE_S + 60.0)
+            gaps = device_gaps(settle, q.devices, q.unbound, q.probing)
+            if not q.settled or gaps is not None:
+                raise BackendError(
+                    f"sandbox {vm.sid}: not saved: its guest had not probed all its devices "
+                    f"{TEMPLATE_SETTLE_S:.0f}s after boot ({gaps or 'the agent says not settled'}); "
+                    "a guest saved mid-probe restores without them")
         await vm.qmp.execute("stop")
         # QEMU writes the memory into a pipe and the edge copies it into the file: the
         # file's pages are then charged to the edge, not to the VM's cgroup, which its

@@ -10,6 +10,12 @@ is keyed by everything that shapes them: the layer files, the guest RAM and vCPU
 scratch disk size (virtio-blk's capacity is read once by the guest driver at boot), the
 kernel, initramfs and command line, and the extra QEMU arguments (density options).
 
+A template is saved only once its guest has probed every device (the agent's ``quiesce``
+waits for that and says so): QEMU 7.2 restores a virtio device no driver had touched yet
+so that its probe after the restore fails (docs/vm.md, "Devices"). A clone whose
+``hello`` still lacks a device is not used: the create boots cold and logs why
+(:func:`device_gaps`).
+
 Clones share the template's kernel state. Its random-number generator state is not
 replayed: every QEMU start gets a new ``vmgenid`` generation id (qemu.py), on which the
 guest kernel reseeds (docs/vm-host.md).
@@ -23,7 +29,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["PoolKey", "WarmPool"]
+__all__ = ["PoolKey", "WarmPool", "device_gaps", "guest_block_devices"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,3 +112,35 @@ def evictable(paths: Sequence[str], limit: int, *, keep: str) -> list[str]:
     others = sorted((p for p in paths if p != keep), key=used)
     excess = len(paths) - limit
     return others[:max(0, excess)]
+
+
+def guest_block_devices(n_layers: int, *, pmem: bool) -> list[str]:
+    """The guest block devices a VM of ``n_layers`` layers gets (pure): the layers as
+    ``pmem0..`` with the scratch disk ``vda``, or the layers as ``vda..`` and the scratch
+    disk after them (the order of backend.py's ``_launch``)."""
+    if pmem:
+        return [f"pmem{i}" for i in range(n_layers)] + ["vda"]
+    if n_layers + 1 > 26:
+        raise ValueError(f"{n_layers} layers and a scratch disk do not fit in vda..vdz")
+    return [f"vd{chr(ord('a') + i)}" for i in range(n_layers + 1)]
+
+
+def device_gaps(want: Sequence[str], devices: Sequence[str], unbound: Sequence[str],
+                probing: bool) -> str | None:
+    """Why a guest reporting ``devices``/``unbound``/``probing`` (agent ``hello`` or
+    ``quiesce``) is not ready to be saved or used as a clone, or None if it is (pure).
+    The lists come from the guest: only a few of their items, cut short, are quoted."""
+    def quote(items: Sequence[str]) -> str:
+        shown = ", ".join(str(i)[:40] for i in items[:8])
+        return shown + (f" (+{len(items) - 8} more)" if len(items) > 8 else "")
+
+    have = set(devices)
+    missing = [d for d in want if d not in have]
+    why = []
+    if missing:
+        why.append(f"missing block device(s) {quote(missing)}")
+    if unbound:
+        why.append(f"virtio device(s) without a driver {quote(list(unbound))}")
+    if probing:
+        why.append("boot's module loader still running")
+    return "; ".join(why) or None
