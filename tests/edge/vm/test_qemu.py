@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 
 from dsec.edge.backends.vm.link import checked_result
@@ -116,3 +119,31 @@ def test_exec_defaults_come_from_the_spec() -> None:
     assert (got.cwd, got.user) == ("/work", "agent")
     own = VmBackend._with_defaults(vm, ExecRequest(argv=("x",), cwd="/tmp", user="root"))
     assert (own.cwd, own.user) == ("/tmp", "root")
+
+
+def test_unix_sockets_under_a_long_root_dir_bind_and_connect(tmp_path: Path) -> None:
+    """A socket path longer than sun_path (a deep root_dir: a pytest temp dir made one
+    107 bytes long) binds and connects through its directory's descriptor."""
+    import socket
+
+    from dsec.edge.backends.vm.qemu import unix_path
+
+    deep = tmp_path / ("x" * 60) / ("y" * 60)
+    deep.mkdir(parents=True)
+    path = str(deep / "a")
+    assert len(path) > 108
+    srv = socket.socket(socket.AF_UNIX)
+    cli = socket.socket(socket.AF_UNIX)
+    try:
+        with unix_path(path) as short:
+            assert len(short) < 100
+            srv.bind(short)
+        srv.listen(1)
+        with unix_path(path) as short:
+            cli.connect(short)
+        assert os.path.exists(path)
+        with unix_path("/tmp/short") as same:
+            assert same == "/tmp/short"
+    finally:
+        srv.close()
+        cli.close()

@@ -66,6 +66,7 @@ from dsec.edge.backends.vm.qemu import (
     memory_mib,
     parse_marker,
     qemu_argv,
+    unix_path,
     vcpus,
 )
 from dsec.edge.backends.vm.upper import Bounds, extract_upper
@@ -587,7 +588,8 @@ class VmBackend:
                 os.unlink(path)
             s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             socks.append(s)
-            s.bind(path)
+            with unix_path(path) as short:
+                s.bind(short)
             s.listen(2)
             return s
 

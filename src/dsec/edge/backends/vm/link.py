@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 from dsec.aether.connection import Connection
 from dsec.aether.transport import connect
 from dsec.edge.backends.vm import agentproto as ap
+from dsec.edge.backends.vm.qemu import unix_path
 from dsec.errors import (
     BackendError,
     CannotRun,
@@ -79,8 +80,9 @@ class AgentLink:
         hello is retried in case the first was read before the agent was listening)."""
         deadline = time.monotonic() + timeout
         try:
-            conn = await connect("unix:" + path, timeout=timeout,
-                                 max_frame=ap.DEFAULT_MAX_FRAME)
+            with unix_path(path) as short:
+                conn = await connect("unix:" + short, timeout=timeout,
+                                     max_frame=ap.DEFAULT_MAX_FRAME)
         except ConnectFailed as exc:
             raise BackendError(f"sandbox {sid}: cannot reach the guest agent's channel "
                                f"{path}: {exc}") from exc

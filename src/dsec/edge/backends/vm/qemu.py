@@ -27,18 +27,31 @@ from __future__ import annotations
 
 import array
 import asyncio
+import contextlib
 import json
 import math
+import os
 import socket
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from dsec.errors import BackendError, RemoteProtocolError, Timeout
 
-__all__ = ["MARKER_PREFIX", "Disk", "Qmp", "QmpError", "VmSpec", "marker_of",
-           "memory_mib", "parse_marker", "qemu_argv", "vcpus"]
+__all__ = [
+    "MARKER_PREFIX",
+    "Disk",
+    "Qmp",
+    "QmpError",
+    "VmSpec",
+    "marker_of",
+    "memory_mib",
+    "parse_marker",
+    "qemu_argv",
+    "unix_path",
+    "vcpus",
+]
 
 #: ``-name guest=<marker>``: how reconcile recognizes a QEMU of this backend in
 #: /proc/<pid>/cmdline after an edge was killed (with the backend's key: two edges on one
@@ -193,6 +206,29 @@ def parse_marker(cmdline: bytes, key: str) -> str | None:
     return None
 
 
+#: what sun_path holds (108 bytes with its NUL); a little less, to be safe
+_SUN_PATH_MAX = 100
+
+
+@contextlib.contextmanager
+def unix_path(path: str) -> Iterator[str]:
+    """A name for the unix socket ``path`` that fits ``sun_path``: the path itself when
+    short, else ``/proc/self/fd/N/NAME`` through a descriptor of its directory, open
+    while the caller binds or connects. Sockets live in the sandbox's directory under
+    ``root_dir``, whose length the backend does not choose (a pytest temp dir made one
+    107 bytes long: "AF_UNIX path too long"); the kernel resolves the magic link, so
+    the socket is the same file."""
+    if len(os.fsencode(path)) <= _SUN_PATH_MAX:
+        yield path
+        return
+    d, name = os.path.split(path)
+    fd = os.open(d or ".", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        yield f"/proc/self/fd/{fd}/{name}"
+    finally:
+        os.close(fd)
+
+
 class QmpError(BackendError):
     """QEMU answered a QMP command with an error."""
 
@@ -222,7 +258,8 @@ class Qmp:
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(timeout):
-                await loop.sock_connect(sock, path)
+                with unix_path(path) as short:
+                    await loop.sock_connect(sock, short)
                 self = cls(sock, what=what)
                 self.greeting = await self._read_message()
                 await self.execute("qmp_capabilities")
