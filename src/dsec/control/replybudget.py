@@ -34,13 +34,14 @@ import asyncio
 import collections
 import contextlib
 import contextvars
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from dsec.errors import InvalidArgument, RateLimited
 
-__all__ = ["ReplyBudget", "ReplyGate", "ReplyLease", "hold_replies", "keep_or_release",
-           "tenant_of"]
+__all__ = ["ReplyBudget", "ReplyGate", "ReplyLease", "SentThenReleased", "consumed",
+           "hold_replies", "keep_or_release", "releasing_send", "tenant_of"]
 
 
 def tenant_of(project: str) -> str:
@@ -225,3 +226,89 @@ def keep_or_release(lease: ReplyLease) -> None:
         lease.release()
     else:
         held.append(lease)
+
+
+class consumed:
+    """Inside a door: the policy calls in this block answer this process, not the client
+    (an E2B check's exec, a pid looked up in the process table): their replies are
+    dropped when the block ends, so their leases are given back as they return instead
+    of being held until the door's response is written (a long stream after them would
+    keep them charged for its whole life)."""
+
+    __slots__ = ("_token",)
+
+    def __enter__(self) -> None:
+        self._token = _HELD.set(None)
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        _HELD.reset(self._token)
+
+
+def _grow(leases: list[ReplyLease], n: int) -> None:
+    """Charge the live ``leases`` at least ``n`` bytes in all (what the body being written
+    really holds: REST's JSON writes a control byte of output as 6), in proportion."""
+    live = [lease for lease in leases if lease._gate is not None]
+    total = sum(lease.bytes for lease in live)
+    if not live or n <= total:
+        return
+    extra = n - total
+    for i, lease in enumerate(live):
+        share = (extra if i == len(live) - 1
+                 else extra * lease.bytes // total if total else 0)
+        extra -= share
+        lease.resize(lease.bytes + share)
+
+
+def releasing_send(send: Callable[[dict[str, Any]], Awaitable[None]],
+                   leases: list[ReplyLease]) -> Callable[[dict[str, Any]], Awaitable[None]]:
+    """An ASGI ``send`` that keeps ``leases`` (the door's, filled while it serves) charged
+    until what they stand for has been written out, then gives them back:
+
+    - each body message is charged its own size at least (:func:`_grow`: the encoded
+      body, not the reply's output, is what the transport holds);
+    - the leases in the list when a body message goes are released once the *next*
+      message has been sent: uvicorn waits for the transport's buffer to drain below its
+      low-water mark before it writes a message, never after the last one, so the final
+      body goes as a non-final message and then an empty final one (measured: a 12 MiB
+      reply nobody read was "sent" at once, 9 MiB of it still in the process). A
+      streamed response thus gives back what it holds one piece behind what it writes,
+      not at its end.
+
+    The door still releases every lease when its response is over (or failed)."""
+    sent: list[ReplyLease] = []
+
+    async def send_released(message: dict[str, Any]) -> None:
+        if message["type"] != "http.response.body":
+            await send(message)
+            return
+        body = message.get("body", b"")
+        if body:
+            _grow(leases, len(body))
+        before = leases[:]
+        if message.get("more_body"):
+            await send(message)
+        else:
+            await send({**message, "more_body": True})
+            # uvicorn drains before this one: then the body is out of the process
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            sent.extend(before)
+        for lease in sent:
+            lease.release()         # the message before has drained: its replies are out
+        sent[:] = before
+    return send_released
+
+
+class SentThenReleased:
+    """An ASGI app: ``inner``, with the reply budget's ``leases`` of its body given back
+    as it is written out (:func:`releasing_send`), all of them when it is over."""
+
+    def __init__(self, inner: Callable[..., Awaitable[None]],
+                 leases: list[ReplyLease]) -> None:
+        self.inner, self.leases = inner, leases
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await self.inner(scope, receive, releasing_send(send, self.leases))
+        finally:
+            for lease in self.leases:
+                lease.release()

@@ -440,20 +440,19 @@ class ApiConfig:
     net_default: NetworkPolicy = field(default_factory=NetworkPolicy)
     # Bytes of large unary replies (exec output, list_dir, events) one tenant (top-level
     # project) holds in this apiserver at once, from the edge's answer until its client
-    # has read it (dsec.control.replybudget); None: no budget.
-    reply_budget_bytes: int | None = 1 << 30
+    # has read it (dsec.control.replybudget); None: no budget. Calls reserve their reply's
+    # worst case (an exec: 2 x min(output_cap_bytes, reply_output_bytes) + 4 KiB), so
+    # this bounds what a tenant's unread replies hold. 4 GiB: 2,048 unary execs of one
+    # tenant in flight at the default 1 MiB cap (16,384 at a 128 KiB cap); the bytes are
+    # reserved, not allocated, so an apiserver with many tenants is not sized for all
+    # of them at once (docs/api.md).
+    reply_budget_bytes: int | None = 4 << 30
     # How long a call waits for room in its tenant's budget before RateLimited.
     reply_budget_wait_s: float = 30.0
-    # What a list_dir or events call reserves before its reply arrives (then its size).
+    # What a list_dir, process_list or events call reserves before its reply arrives
+    # (then its size): their replies have no cap of their own below the frame size, so
+    # this is an estimate (the only one left: docs/api.md says by how much it can be off).
     reply_reserve_bytes: int = 1 << 20
-    # What an exec reserves before its reply arrives (then its size), at most its worst
-    # case. Not the worst case itself: at 2 x the 1 MiB default cap that let only 512
-    # unary execs of one tenant be in flight per apiserver (an RL run's env pool has
-    # more), and a tenant that does not read overshoots once by at most its execs in
-    # flight x their real size, then waits for its clients (docs/api.md).
-    reply_exec_reserve_bytes: int = 64 << 10
-    # The most output per stream an edge puts in an exec's reply (its
-    # EdgeConfig.max_reply_output_bytes): an exec's worst case is twice min(its cap, this).
     reply_output_bytes: int = 4 << 20
 
 
@@ -1361,13 +1360,15 @@ class ApiService:
                 continue
             groups.setdefault(id(edge), (edge, []))[1].append(i)
             tenants.setdefault(tenant_of(project), []).append(i)
-        # the reply within each tenant's reply budget: an estimate per tenant before,
-        # what its results hold after (a batch's worst case would serialise RL ticks)
+        # the reply within each tenant's reply budget: its items' worst cases before,
+        # what its results hold after (red team 21, B3: a 1 MiB estimate per batch let
+        # 1,024 results of up to 8 MiB each through uncounted)
         leases: list[tuple[ReplyLease, list[int]]] = []
         try:
             for tenant in sorted(tenants):
-                leases.append((await self.replies.acquire(
-                    tenant, self.config.reply_reserve_bytes), tenants[tenant]))
+                idx = tenants[tenant]
+                leases.append((await self.replies.acquire(tenant, sum(
+                    self._exec_worst_case(items[i][1]) for i in idx)), idx))
         except BaseException:
             for lease, _ in leases:
                 lease.release()
@@ -1975,16 +1976,19 @@ class ApiService:
         return await call()
 
     def _reply_reserve(self, op: Op[Any, Any], body: Any) -> int:
-        """The estimate ``op``'s call reserves before its reply arrives (an exec: at most
-        its worst case)."""
-        cfg = self.config
+        """What ``op``'s call reserves before its reply arrives (an exec: its worst case;
+        the others: an estimate)."""
         if op is ops.EXEC:
-            req: ExecRequest = body.req
-            if req.background:
-                return _REPLY_OVERHEAD
-            return min(2 * min(req.output_cap_bytes, cfg.reply_output_bytes),
-                       cfg.reply_exec_reserve_bytes) + _REPLY_OVERHEAD
-        return cfg.reply_reserve_bytes
+            return self._exec_worst_case(body.req)
+        return self.config.reply_reserve_bytes
+
+    def _exec_worst_case(self, req: ExecRequest) -> int:
+        """The most an exec's reply holds: both streams at min(its cap, the edge's
+        reply cap), and its other fields (red team 21, B3: reserving less let a tenant
+        that does not read hold 15x its budget)."""
+        if req.background:
+            return _REPLY_OVERHEAD
+        return 2 * min(req.output_cap_bytes, self.config.reply_output_bytes) + _REPLY_OVERHEAD
 
     async def _budgeted(self, project: str, reserve: int,
                         call: Callable[[], Awaitable[T]]) -> T:
