@@ -149,7 +149,7 @@ async def test_a_reply_under_high_water_is_written_once_the_buffer_is_empty(
         assert "written 3145728" not in log
         sids = set()
         while len(sids) < 2:
-            ftype, sid, _, _ = await peer.frame(timeout=10)
+            _, sid, _, _ = await peer.frame(timeout=10)
             sids.add(sid)
         await _until(lambda: "written 3145728" in log)
         assert not conn._drain_watch and not conn._protocol._watch_paused  # type: ignore[union-attr]

@@ -10,20 +10,27 @@ whatever the per-connection caps, and could take every other tenant's apiserver 
 
 Each tenant (a top-level project, with its subprojects: as the edge counts execs) gets a
 budget of such bytes. A call *reserves* what its reply can be at most before it is sent to
-the edge (an estimate: ``ApiConfig.reply_exec_reserve_bytes`` for an exec, at most its
-worst case; ``reply_reserve_bytes`` for the other rows), the reservation becomes the reply's real size when it arrives, and it is
-given back when the reply has been written out (REST: the body sent; the gateway:
-``dsec.aether.after_reply_written``), or at once if the call fails. A call that does not
+the edge (an exec: its worst case, 2 x min(its output cap, the edge's reply cap); an
+``exec_many`` the sum of its items'; a ``read_file`` its length; ``reply_reserve_bytes``
+for the other rows, which have no cap of their own), the reservation becomes the reply's
+real size when it arrives, and the door that writes the reply charges the body it writes
+if that is larger (:func:`releasing_send`: REST's JSON writes a control byte as 6). It is
+given back when the reply has been written out (REST, E2B, dashboard: the body sent and
+drained, :func:`releasing_send`; the gateway: ``dsec.aether.after_reply_written``, its
+write buffer empty), or at once if the call fails; every door that writes a budgeted
+reply holds its leases (:class:`hold_replies`), and a door's call whose reply it only
+reads (a check) is :class:`consumed`. A call that does not
 fit waits in its tenant's queue (first come, first served; a release grants the head
 of the queue as far as it makes room) up to ``wait_s``, then is refused with :class:`~dsec.errors.RateLimited` naming the
 tenant, the bytes held and what to do. One reply larger than the whole budget still goes
 when the tenant holds nothing (a budget never makes a call impossible, only serial).
 
-Bounds: every row reserves an estimate and is charged its real size on arrival, so a
-tenant can overshoot by (calls already at the edge) x (their size beyond the estimate)
-once, and then waits until its clients read. Reserving an exec's worst case (2 x its
-output cap) would rule that out but serialised RL-sized fan-outs: 512 unary execs in
-flight per tenant at the default cap.
+Bounds: a tenant's unread replies hold at most its budget, plus what arrived beyond an
+estimate (the rows without a cap) or grew when encoded, each charged as it happens (the
+tenant's next calls wait), plus one reply larger than the whole budget. An exec reserved
+a 64 KiB estimate for a while: 16 unread execs then held 15x a 1 MiB budget (red team
+21, B3); the worst case at the 4 GiB default still lets 2,048 unary execs of a tenant
+be in flight at the default 1 MiB cap (docs/api.md).
 
 :class:`ReplyBudget` is the pure accounting; :class:`ReplyGate` adds the waiting.
 """
