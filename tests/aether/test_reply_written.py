@@ -129,7 +129,7 @@ async def test_a_reply_under_high_water_is_written_once_the_buffer_is_empty(
         srv = await serve(_router(log), "tcp:127.0.0.1:0")
         sock = socket.socket()
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
-        sock.connect(("127.0.0.1", srv.address.port))   # type: ignore[union-attr]
+        sock.connect(("127.0.0.1", srv.address.port))
         sock.setblocking(False)
         reader, writer = await asyncio.open_connection(sock=sock)
     peer = RawPeer(reader, writer)
@@ -147,12 +147,12 @@ async def test_a_reply_under_high_water_is_written_once_the_buffer_is_empty(
                   encode_request("fails", msgspec.msgpack.encode(None)))
         await _until(lambda: "after error" in log)   # still read and served
         assert "written 3145728" not in log
-        sids = set()
+        sids: set[int] = set()
         while len(sids) < 2:
             _, sid, _, _ = await peer.frame(timeout=10)
             sids.add(sid)
         await _until(lambda: "written 3145728" in log)
-        assert not conn._drain_watch and not conn._protocol._watch_paused  # type: ignore[union-attr]
+        assert not conn._drain_watch and not conn._protocol._watch_paused
     finally:
         await peer.close()
         await srv.close()
