@@ -99,6 +99,23 @@ async def test_waiters_go_in_order_and_a_cancelled_one_leaves_the_queue() -> Non
     assert gate.budget.held("a") == 0 and not gate._queues
 
 
+async def test_a_call_that_holds_the_rest_of_its_tenants_bytes_goes_on() -> None:
+    """A read to the end takes room piece by piece (``own``: what it holds already): with
+    nothing else held its next piece goes, even past the budget; with another call's
+    bytes held it waits like any other."""
+    gate = ReplyGate(100, wait_s=0.1)
+    first = await gate.acquire("a", 80)
+    second = await gate.acquire("a", 80, own=80)     # the read's second piece
+    assert gate.budget.held("a") == 160
+    first.release()
+    other = await gate.acquire("a", 10)              # another call of the tenant
+    with pytest.raises(RateLimited):
+        await gate.acquire("a", 80, own=80)          # 90 held, 80 of them its own
+    for lease in (second, other):
+        lease.release()
+    assert gate.budget.held("a") == 0
+
+
 async def test_a_lease_outside_a_door_is_given_back_at_once_inside_one_kept() -> None:
     gate = ReplyGate(10, wait_s=0)
     keep_or_release(await gate.acquire("a", 5))

@@ -11,8 +11,9 @@ whatever the per-connection caps, and could take every other tenant's apiserver 
 Each tenant (a top-level project, with its subprojects: as the edge counts execs) gets a
 budget of such bytes. A call *reserves* what its reply can be at most before it is sent to
 the edge (an exec: its worst case, 2 x min(its output cap, the edge's reply cap); an
-``exec_many`` the sum of its items'; a ``read_file`` its length; ``reply_reserve_bytes``
-for the other rows, which have no cap of their own), the reservation becomes the reply's
+``exec_many`` the sum of its items'; a ``read_file`` its length, or piece by piece;
+``reply_reserve_bytes``, the edge link's frame size, for the other rows, which have no cap
+of their own), the reservation becomes the reply's
 real size when it arrives, and the door that writes the reply charges the body it writes
 if that is larger (:func:`releasing_send`: REST's JSON writes a control byte as 6). It is
 given back when the reply has been written out (REST, E2B, dashboard: the body sent and
@@ -25,9 +26,9 @@ of the queue as far as it makes room) up to ``wait_s``, then is refused with :cl
 tenant, the bytes held and what to do. One reply larger than the whole budget still goes
 when the tenant holds nothing (a budget never makes a call impossible, only serial).
 
-Bounds: a tenant's unread replies hold at most its budget, plus what arrived beyond an
-estimate (the rows without a cap) or grew when encoded, each charged as it happens (the
-tenant's next calls wait), plus one reply larger than the whole budget. An exec reserved
+Bounds: a tenant's unread replies hold at most its budget, plus what grew when encoded
+for a door, charged as it is written (the tenant's next calls wait), plus one reply
+larger than the whole budget. An exec reserved
 a 64 KiB estimate for a while: 16 unread execs then held 15x a 1 MiB budget (red team
 21, B3); the worst case at the 4 GiB default still lets 2,048 unary execs of a tenant
 be in flight at the default 1 MiB cap (docs/api.md).
@@ -71,10 +72,11 @@ class ReplyBudget:
     def held(self, tenant: str) -> int:
         return self._held.get(tenant, 0)
 
-    def fits(self, tenant: str, n: int) -> bool:
-        """``n`` more bytes are within ``tenant``'s budget (or it holds nothing)."""
+    def fits(self, tenant: str, n: int, own: int = 0) -> bool:
+        """``n`` more bytes are within ``tenant``'s budget (or it holds nothing but the
+        ``own`` bytes the asking call holds already: a call is never made impossible)."""
         held = self._held.get(tenant, 0)
-        return self.limit_bytes is None or held == 0 or held + n <= self.limit_bytes
+        return self.limit_bytes is None or held <= own or held + n <= self.limit_bytes
 
     def take(self, tenant: str, n: int) -> None:
         self._held[tenant] = self._held.get(tenant, 0) + n
@@ -136,17 +138,19 @@ class ReplyGate:
         self.budget = ReplyBudget(limit_bytes)
         self.wait_s = wait_s
         self.on_refused = on_refused
-        self._queues: dict[str, collections.deque[tuple[int, asyncio.Future[None]]]] = {}
+        self._queues: dict[str, collections.deque[tuple[int, int, asyncio.Future[None]]]] = {}
         self.refused = 0        # calls refused after waiting wait_s (a metric's source)
 
-    async def acquire(self, tenant: str, n: int) -> ReplyLease:
+    async def acquire(self, tenant: str, n: int, *, own: int = 0) -> ReplyLease:
+        """``own``: bytes the caller holds in leases already (a read to the end takes
+        room piece by piece); with nothing else held it goes, as a first call would."""
         budget = self.budget
-        if tenant not in self._queues and budget.fits(tenant, n):
+        if tenant not in self._queues and budget.fits(tenant, n, own):
             budget.take(tenant, n)
             return ReplyLease(self, tenant, n)
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         q = self._queues.setdefault(tenant, collections.deque())
-        q.append((n, fut))
+        q.append((n, own, fut))
         try:
             async with asyncio.timeout(self.wait_s):
                 await fut
@@ -159,7 +163,7 @@ class ReplyGate:
             else:
                 fut.cancel()
                 with contextlib.suppress(ValueError):
-                    q.remove((n, fut))
+                    q.remove((n, own, fut))
             self._grant(tenant)                      # it may have held up the queue
             if not isinstance(exc, TimeoutError):
                 raise
@@ -188,11 +192,11 @@ class ReplyGate:
             return
         budget = self.budget
         while q:
-            n, fut = q[0]
+            n, own, fut = q[0]
             if fut.done():
                 q.popleft()
                 continue
-            if not budget.fits(tenant, n):
+            if not budget.fits(tenant, n, own):
                 break
             q.popleft()
             budget.take(tenant, n)

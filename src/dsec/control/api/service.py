@@ -450,9 +450,11 @@ class ApiConfig:
     # How long a call waits for room in its tenant's budget before RateLimited.
     reply_budget_wait_s: float = 30.0
     # What a list_dir, process_list or events call reserves before its reply arrives
-    # (then its size): their replies have no cap of their own below the frame size, so
-    # this is an estimate (the only one left: docs/api.md says by how much it can be off).
-    reply_reserve_bytes: int = 1 << 20
+    # (then its size): their replies have no cap of their own but the edge link's frame
+    # size (dsec.aether DEFAULT_MAX_FRAME, 16 MiB), so that is their worst case: 256 of
+    # them of one tenant in flight at the default budget. (1 MiB, an estimate, let each
+    # hold 16x what it reserved: red team 21, B3.)
+    reply_reserve_bytes: int = 16 << 20
     reply_output_bytes: int = 4 << 20
 
 
@@ -1425,10 +1427,27 @@ class ApiService:
                 if not gate.users:
                     del self._reads[key]      # idle: the table holds busy tenants only
         # in pieces that fit an Aether frame, up to the one-read limit (dsec.wire.spec);
-        # the whole answer within the tenant's reply budget (its length, if it says one)
-        reserve = self.config.reply_reserve_bytes if length is None else length
-        return await self._budgeted(project, min(reserve, MAX_FILE_READ_BYTES),
-                                    lambda: read_in_chunks(piece, offset, length))
+        # the whole answer within the tenant's reply budget: its length if it says one,
+        # else each piece's room is taken (waiting) before the piece is asked for: a
+        # read to the end may be 64 MiB, and an estimate for it let a tenant hold 64x
+        # what it reserved (red team 21, B3)
+        if length is not None:
+            return await self._budgeted(project, min(length, MAX_FILE_READ_BYTES),
+                                        lambda: read_in_chunks(piece, offset, length))
+        tenant = tenant_of(project)
+        more: list[ReplyLease] = []
+
+        async def room_then_piece(at: int, n: int) -> bytes:
+            more.append(await self.replies.acquire(
+                tenant, n, own=sum(lease.bytes for lease in more)))
+            return await piece(at, n)
+        try:
+            data = await self._budgeted(project, 0, lambda: read_in_chunks(
+                room_then_piece, offset, None))
+        finally:
+            for lease in more:      # the kept lease holds the answer's size by now
+                lease.release()
+        return data
 
     async def write_file(self, principal: Caller, sid: str, path: str, data: bytes,
                          mode: int, append: bool) -> None:
