@@ -177,7 +177,7 @@ class ReplyGate:
                 f"may be {n} bytes and did not fit within {self.wait_s:g} s. Read the "
                 "replies of earlier calls (exec output, list_dir, events) before asking "
                 "for more, ask for less (a smaller output_cap_bytes), or ask the "
-                "operator to raise the apiserver's reply_budget_bytes",
+                "operator to raise the apiserver's reply budget (--reply-budget)",
                 retry_after=1.0, tenant=tenant, held=held, limit=limit, size=n) from None
         return ReplyLease(self, tenant, n)
 
