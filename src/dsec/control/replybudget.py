@@ -30,7 +30,7 @@ Bounds: a tenant's unread replies hold at most its budget, plus what grew when e
 for a door, charged as it is written (the tenant's next calls wait), plus one reply
 larger than the whole budget. An exec reserved
 a 64 KiB estimate for a while: 16 unread execs then held 15x a 1 MiB budget (red team
-21, B3); the worst case at the 4 GiB default still lets 2,048 unary execs of a tenant
+21, B3); the worst case at the 4 GiB default still lets 2,044 unary execs of a tenant
 be in flight at the default 1 MiB cap (docs/api.md).
 
 :class:`ReplyBudget` is the pure accounting; :class:`ReplyGate` adds the waiting.

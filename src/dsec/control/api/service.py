@@ -442,8 +442,8 @@ class ApiConfig:
     # project) holds in this apiserver at once, from the edge's answer until its client
     # has read it (dsec.control.replybudget); None: no budget. Calls reserve their reply's
     # worst case (an exec: 2 x min(output_cap_bytes, reply_output_bytes) + 4 KiB), so
-    # this bounds what a tenant's unread replies hold. 4 GiB: 2,048 unary execs of one
-    # tenant in flight at the default 1 MiB cap (16,384 at a 128 KiB cap); the bytes are
+    # this bounds what a tenant's unread replies hold. 4 GiB: 2,044 unary execs of one
+    # tenant in flight at the default 1 MiB cap (16,131 at a 128 KiB cap); the bytes are
     # reserved, not allocated, so an apiserver with many tenants is not sized for all
     # of them at once (docs/api.md).
     reply_budget_bytes: int | None = 4 << 30
