@@ -5,6 +5,7 @@ not read is tested through the gateway (tests/control/test_reply_budget.py)."""
 from __future__ import annotations
 
 import asyncio
+import socket
 from typing import Any
 
 import msgspec
@@ -109,4 +110,49 @@ async def test_a_peer_that_does_not_read_keeps_them_pending_parked_ones_too(
             assert log == ["written 6291456"] * 2
             await peer.close()
     finally:
+        await srv.close()
+
+
+
+@pytest.mark.parametrize("link", ["unix", "tcp"])
+async def test_a_reply_under_high_water_is_written_once_the_buffer_is_empty(
+        tmp_path: Any, link: str) -> None:
+    """Red team 21, B9: a 3 MiB reply (under the 4 MiB high-water mark) to a peer that
+    reads nothing stays pending (it is in this process, not in the kernel); meanwhile
+    the connection still reads and answers (the drain watch is no backpressure); once
+    the peer reads it all, the hook runs and the buffer marks are back."""
+    log: list[str] = []
+    if link == "unix":
+        srv = await serve(_router(log), f"unix:{tmp_path}/s")
+        reader, writer = await asyncio.open_unix_connection(f"{tmp_path}/s")
+    else:                   # the gateway's listener: plain TCP (TLS is a proxy's)
+        srv = await serve(_router(log), "tcp:127.0.0.1:0")
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
+        sock.connect(("127.0.0.1", srv.address.port))
+        sock.setblocking(False)
+        reader, writer = await asyncio.open_connection(sock=sock)
+    peer = RawPeer(reader, writer)
+    try:
+        await _until(lambda: len(srv.connections) == 1)
+        (conn,) = srv.connections
+        if link == "tcp":   # loopback TCP autotunes to MiBs: what the kernel takes is out
+            conn._transport.get_extra_info("socket").setsockopt(
+                socket.SOL_SOCKET, socket.SO_SNDBUF, 64 << 10)
+        peer.send(int(FrameType.REQUEST), 1,
+                  encode_request("big", msgspec.msgpack.encode(3 << 20)))
+        await asyncio.sleep(0.5)                   # answered, nothing read
+        assert log == [], log
+        peer.send(int(FrameType.REQUEST), 3,
+                  encode_request("fails", msgspec.msgpack.encode(None)))
+        await _until(lambda: "after error" in log)   # still read and served
+        assert "written 3145728" not in log
+        sids: set[int] = set()
+        while len(sids) < 2:
+            _, sid, _, _ = await peer.frame(timeout=10)
+            sids.add(sid)
+        await _until(lambda: "written 3145728" in log)
+        assert not conn._drain_watch and not conn._protocol._watch_paused
+    finally:
+        await peer.close()
         await srv.close()

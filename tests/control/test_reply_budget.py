@@ -25,13 +25,21 @@ from dsec.aether.frame import FrameType, encode_parts
 from dsec.aether.messages import method_prefix
 from dsec.client.sync import Client
 from dsec.cluster.local import LocalCluster
-from dsec.control.replybudget import ReplyBudget, ReplyGate, hold_replies, keep_or_release
+from dsec.control.replybudget import (
+    ReplyBudget,
+    ReplyGate,
+    consumed,
+    hold_replies,
+    keep_or_release,
+    releasing_send,
+)
 from dsec.errors import InvalidArgument, RateLimited
 
 MiB = 1 << 20
 OUT = 12 * MiB          # each held reply: more than the kernel's socket buffers absorb
-LIMIT = OUT + 32 * 1024  # an exec reserves an estimate (64 KiB), then holds 12 MiB unread:
-#                          the next one of that tenant no longer fits
+LIMIT = OUT + 32 * 1024  # an exec reserves its worst case (2 x 12 MiB: more than the
+#                          budget, so it goes only while its tenant holds nothing), then
+#                          holds 12 MiB unread: the next one of that tenant waits
 
 
 # ------------------------------------------------------------------ the pure budget
@@ -91,6 +99,23 @@ async def test_waiters_go_in_order_and_a_cancelled_one_leaves_the_queue() -> Non
     assert gate.budget.held("a") == 0 and not gate._queues
 
 
+async def test_a_call_that_holds_the_rest_of_its_tenants_bytes_goes_on() -> None:
+    """A read to the end takes room piece by piece (``own``: what it holds already): with
+    nothing else held its next piece goes, even past the budget; with another call's
+    bytes held it waits like any other."""
+    gate = ReplyGate(100, wait_s=0.1)
+    first = await gate.acquire("a", 80)
+    second = await gate.acquire("a", 80, own=80)     # the read's second piece
+    assert gate.budget.held("a") == 160
+    first.release()
+    other = await gate.acquire("a", 10)              # another call of the tenant
+    with pytest.raises(RateLimited):
+        await gate.acquire("a", 80, own=80)          # 90 held, 80 of them its own
+    for lease in (second, other):
+        lease.release()
+    assert gate.budget.held("a") == 0
+
+
 async def test_a_lease_outside_a_door_is_given_back_at_once_inside_one_kept() -> None:
     gate = ReplyGate(10, wait_s=0)
     keep_or_release(await gate.acquire("a", 5))
@@ -103,6 +128,43 @@ async def test_a_lease_outside_a_door_is_given_back_at_once_inside_one_kept() ->
         keep_or_release(await gate.acquire("a", 5))
         raise ValueError("door failed")
     assert gate.budget.held("a") == 0
+
+
+async def test_releasing_send_charges_the_body_and_releases_once_the_next_message_went(
+        ) -> None:
+    """The ASGI doors (REST, E2B, the dashboard): a body larger than its leases is
+    charged its size (red team 21, B7: JSON writes a control byte as 6), spread over the
+    leases; the body's leases are released only once a later message has been sent
+    (uvicorn drains before a message, never after the last); a stream gives back what
+    it holds one piece behind; calls in ``consumed()`` are released as they return."""
+    gate = ReplyGate(None)
+    held_at: list[int] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        held_at.append(gate.budget.held("a") + gate.budget.held("b"))
+    with hold_replies() as leases:
+        keep_or_release(await gate.acquire("a", 100))
+        keep_or_release(await gate.acquire("b", 300))
+        with consumed():
+            keep_or_release(await gate.acquire("a", 50))   # a check's: not kept
+    assert len(leases) == 2 and gate.budget.held("a") == 100
+    out = releasing_send(send, leases)
+    await out({"type": "http.response.start", "status": 200, "headers": []})
+    await out({"type": "http.response.body", "body": b"x" * 1000})
+    # the body as a non-final message, then an empty final one: both went with the
+    # leases held, grown to the body's size; then they were given back
+    assert held_at == [400, 1000, 1000] and gate.budget.total() == 0
+    assert [lease.bytes for lease in leases] == [250, 750]
+
+    held_at.clear()
+    with hold_replies() as leases:
+        keep_or_release(await gate.acquire("a", 10))
+    out = releasing_send(send, leases)
+    await out({"type": "http.response.body", "body": b"1", "more_body": True})
+    assert gate.budget.held("a") == 10          # the first piece may still be buffered
+    await out({"type": "http.response.body", "body": b"2", "more_body": True})
+    assert gate.budget.held("a") == 0           # sent after it: the first one drained
+    await out({"type": "http.response.body", "body": b""})
 
 
 # ------------------------------------------------------------------ through the doors

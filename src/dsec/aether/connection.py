@@ -920,6 +920,10 @@ class Connection:
         self._reply_hooks: dict[asyncio.Task[Any], list[Callable[[], None]]] = {}
         self._parked_hooks: dict[int, list[Callable[[], None]]] = {}
         self._written_hooks: list[Callable[[], None]] = []
+        # The transport's write marks are at 0 until its buffer is empty, for the
+        # written hooks (_check_written); _write_low is what they go back to.
+        self._drain_watch = False
+        self._write_low = WRITE_LOW_WATER
         self._unparker: asyncio.Task[None] | None = None
         self._max_duplex = (None if self._max_calls is None
                             else max(1, self._max_calls // MAX_DUPLEX_SHARE))
@@ -960,7 +964,7 @@ class Connection:
                     "frames are limited to this size until the connection authenticates")
                 self._read_high = 2 * lim.pending_max_frame
                 high, low = PENDING_WRITE_HIGH, PENDING_WRITE_LOW
-                self._write_high = high
+                self._write_high, self._write_low = high, low
             self._last_rx = self._opened_at = now = self._loop.time()
             if lim.auth_timeout_s is not None:
                 self._arm_watch(now + lim.auth_timeout_s)
@@ -1360,6 +1364,13 @@ class Connection:
             self._shutdown(ConnectionLost(f"write on connection {self.name} failed: {exc}"))
             return
         buf.clear()
+        if self._drain_watch:
+            size = self._transport.get_write_buffer_size()
+            p = self._protocol
+            if not size:            # all in the kernel already: no resume will come
+                self._check_written()
+            elif p is not None and p._watch_paused and size > self._write_high:
+                p._pause_for_real()     # the transport is paused already (the watch)
         if self._guard is not None:
             self._check_unread()
 
@@ -1732,16 +1743,46 @@ class Connection:
             _run_hooks(hooks)
 
     def _when_written(self, hooks: list[Callable[[], None]]) -> None:
-        """Run ``hooks`` once what was just sent is written and writing is not paused
-        (after the flush scheduled by _send; else when the transport resumes writing)."""
+        """Run ``hooks`` once what was just sent has left the transport's write buffer
+        (after the flush scheduled by _send; else when the buffer is empty)."""
         self._written_hooks.extend(hooks)
         self._loop.call_soon(self._check_written)
 
     def _check_written(self) -> None:
+        """Run the written hooks if the transport's write buffer is empty: every byte
+        before them is in the kernel's socket buffer, not in this process (red team 21,
+        B9: "not paused", i.e. under the 4 MiB high-water mark, released a reply's
+        lease while all of it sat unread here). Else watch for the buffer to empty:
+        asyncio tells only of a paused transport falling to its low-water mark, so the
+        marks go to 0 until then (_watch_drain); the hooks run on that resume."""
         p = self._protocol
-        if self._closed or p is None or not p._write_paused:
+        if self._closed or p is None:
             hooks, self._written_hooks = self._written_hooks, []
             _run_hooks(hooks)
+            return
+        if self._wbytes or self._transport.get_write_buffer_size():
+            if self._written_hooks:
+                self._watch_drain()
+            return
+        hooks, self._written_hooks = self._written_hooks, []
+        if self._drain_watch:
+            self._drain_watch = False
+            self._set_write_limits(self._write_high, self._write_low)
+        _run_hooks(hooks)
+
+    def _watch_drain(self) -> None:
+        if self._drain_watch:
+            return
+        self._drain_watch = True
+        # pauses the transport now (its buffer is not empty): AetherProtocol.pause_writing
+        # knows it for a watch, not for backpressure, while under the high-water mark
+        self._set_write_limits(0, 0)
+
+    def _set_write_limits(self, high: int, low: int) -> None:
+        try:
+            self._transport.set_write_buffer_limits(high=high, low=low)
+        except (AttributeError, NotImplementedError):   # no flow control: no watch either
+            self._drain_watch = False
 
     def _park(self, sid: int, data: bytes) -> None:
         """Hold a large reply until the link's write buffer is below its high-water mark
@@ -1858,11 +1899,13 @@ class Connection:
         lim = g.limits
         self._decoder.set_max_frame(self._max_frame)
         self._read_high = READ_HIGH_WATER
-        self._write_high = WRITE_HIGH_WATER
-        try:
-            self._transport.set_write_buffer_limits(high=WRITE_HIGH_WATER, low=WRITE_LOW_WATER)
-        except (AttributeError, NotImplementedError):
-            pass
+        self._write_high, self._write_low = WRITE_HIGH_WATER, WRITE_LOW_WATER
+        if not self._drain_watch:   # else restored when the buffer is empty
+            try:
+                self._transport.set_write_buffer_limits(high=WRITE_HIGH_WATER,
+                                                        low=WRITE_LOW_WATER)
+            except (AttributeError, NotImplementedError):
+                pass
         g.on_established(self)
         self._cancel_watch()
         if lim.idle_timeout_s is not None:
@@ -2071,7 +2114,7 @@ class Connection:
             self._pause_reading(_PAUSE_OUTPUT)
 
     def _on_write_resumed(self) -> None:
-        if self._written_hooks:
+        if self._written_hooks or self._drain_watch:
             self._check_written()
         if self._pause & _PAUSE_OUTPUT:
             self._resume_reading(_PAUSE_OUTPUT)
@@ -2237,6 +2280,9 @@ class AetherProtocol(asyncio.Protocol):
         self._on_connection = on_connection
         self.conn: Connection | None = None
         self._write_paused = False
+        # The transport is paused only for Connection._watch_drain (its buffer is under
+        # the high-water mark): writers and reading go on.
+        self._watch_paused = False
         self._write_waiters: list[asyncio.Future[None]] = []
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -2255,18 +2301,27 @@ class AetherProtocol(asyncio.Protocol):
         return False
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._write_paused = False
+        self._write_paused = self._watch_paused = False
         self._wake_writers(exc)
         if self.conn is not None:
             self.conn._on_lost(exc)
 
     def pause_writing(self) -> None:
+        conn = self.conn
+        if conn is not None and conn._drain_watch and \
+                conn._transport.get_write_buffer_size() <= conn._write_high:
+            self._watch_paused = True
+            return
+        self._pause_for_real()
+
+    def _pause_for_real(self) -> None:
+        self._watch_paused = False
         self._write_paused = True
         if self.conn is not None:
             self.conn._on_write_paused()
 
     def resume_writing(self) -> None:
-        self._write_paused = False
+        self._write_paused = self._watch_paused = False
         self._wake_writers(None)
         if self.conn is not None:
             self.conn._on_write_resumed()

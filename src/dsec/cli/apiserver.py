@@ -16,7 +16,12 @@ from typing import Any
 import click
 
 from dsec.cli.e2b_options import e2b_banner, e2b_config, e2b_options
-from dsec.cli.edge import blob_store_option, net_default_option, secret_in_argv
+from dsec.cli.edge import (
+    blob_store_option,
+    net_default_option,
+    reply_budget_option,
+    secret_in_argv,
+)
 from dsec.cli.logopts import access_log_option, log_format_option, log_level_option
 
 
@@ -77,6 +82,7 @@ def _edges(values: tuple[str, ...]) -> dict[str, str]:
                    "It repairs what an edge's event feed missed; another replica's "
                    "sandboxes arrive through the state store (docs/deploy.md).")
 @net_default_option
+@reply_budget_option
 @blob_store_option
 @log_level_option()
 @log_format_option
@@ -85,7 +91,7 @@ def _edges(values: tuple[str, ...]) -> dict[str, str]:
 def apiserver(edges: tuple[str, ...], state_dir: str | None, store: str | None, listen: str,
               gateway: str, backend: str, edge_token_file: str | None, quiet: bool,
               node_ttl: float, sandbox_list_interval: float, net_default: Any,
-              cluster_dir: str | None = None, blob_store: str | None = None,
+              reply_budget: Any = None, cluster_dir: str | None = None, blob_store: str | None = None,
               log_level: str = "warning", log_format: str = "text",
               access_log: str | None = None,
               e2b: str | None = None, e2b_domain: str | None = None,
@@ -106,6 +112,7 @@ def apiserver(edges: tuple[str, ...], state_dir: str | None, store: str | None, 
                         gateway=None if gateway == "off" else gateway, backend=backend,
                         edges=0, remote_edges=remote, edge_token=token,
                         net_default=net_default, cluster_dir=cluster_dir,
+                        reply_budget=reply_budget,
                         blob_store=blob_store,
                         **e2b_config(e2b, e2b_domain, e2b_tls_cert, e2b_tls_key),
                         plane=PlaneConfig(node_ttl_s=node_ttl,

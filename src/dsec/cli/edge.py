@@ -313,6 +313,17 @@ def net_default_option(fn: F) -> F:
              "ceiling still binds; see docs/networking.md).")(fn)
 
 
+def reply_budget_option(fn: F) -> F:
+    """``--reply-budget``: ApiConfig.reply_budget_bytes (dsec.control.replybudget)."""
+    return click.option(
+        "--reply-budget", "reply_budget", type=BUDGET, default=None, metavar="SIZE|off",
+        help="Bytes of unread exec/list_dir/read_file/events replies one tenant may hold in "
+             "this apiserver; each call reserves its worst case (an exec: twice "
+             "min(output_cap_bytes, 4 MiB)), so SIZE / 2 MiB execs of a tenant at the "
+             "default cap are in flight at once; 'off': no budget (docs/api.md) "
+             "[default: 4G].")(fn)
+
+
 def net_node_options(fn: F) -> F:
     """The network flags of a node (``dsec edge``; ``dsec up`` passes them to its edges):
     ``--net-max``, ``--net-uplink``, ``--net-link``, ``--net-egress``, ``--net-pool``,

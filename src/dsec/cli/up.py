@@ -23,6 +23,7 @@ from dsec.cli.edge import (
     image_budget_option,
     net_default_option,
     net_node_options,
+    reply_budget_option,
     secret_in_argv,
 )
 from dsec.cli.logopts import access_log_option, log_format_option, log_level_option
@@ -107,6 +108,7 @@ def _check_tiers(ctx: click.Context, param: click.Parameter, value: str) -> tupl
 @click.option("--replicas", type=click.IntRange(1, 8), default=1, show_default=True,
               help="With --hosts: apiserver replicas over one store, behind --listen.")
 @blob_store_option
+@reply_budget_option
 @log_level_option()
 @log_format_option
 @access_log_option
@@ -124,7 +126,7 @@ def up(state_dir: str | None, store: str | None, listen: str, gateway: str, back
        image_store_budget: Any, net_default: Any, net_max: Any, net_uplink: str | None, net_link: str,
        net_egress: str | None, net_pool: str, net_dns_upstream: tuple[str, ...],
        net_ipv6: str, hosts: int | None, replicas: int, blob_store: str | None,
-       log_level: str = "warning", log_format: str = "text",
+       reply_budget: Any = None, log_level: str = "warning", log_format: str = "text",
        access_log: str | None = None, edge_metrics_port: int | None = None,
        e2b: str | None = None, e2b_domain: str | None = None,
        e2b_tls_cert: str | None = None, e2b_tls_key: str | None = None) -> None:
@@ -180,7 +182,7 @@ def up(state_dir: str | None, store: str | None, listen: str, gateway: str, back
         net_dns_upstream=net_dns_upstream, net_ipv6=net_ipv6,
         image_store_budget=image_store_budget, registries=tuple(registries) or None,
         registry_blob_hosts=tuple(registry_blob_hosts), blob_store=blob_store,
-        edge_log_level=log_level, edge_log_format=log_format,
+        reply_budget=reply_budget, edge_log_level=log_level, edge_log_format=log_format,
         edge_metrics_port=edge_metrics_port,
         **e2b_config(e2b, e2b_domain, e2b_tls_cert, e2b_tls_key))
     uvloop.run(_run(cfg, quiet, logs))

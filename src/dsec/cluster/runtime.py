@@ -154,6 +154,9 @@ class ClusterConfig:
     # The layer store's budget (`--image-store-budget`): bytes, "off" to clear it, None to
     # leave what the store records (LayerStore.set_budget).
     image_store_budget: int | Literal["off"] | None = None
+    # The apiserver's per-tenant budget of unread replies (`--reply-budget`): bytes, "off"
+    # for none, None for ApiConfig's default (4 GiB; dsec.control.replybudget).
+    reply_budget: int | Literal["off"] | None = None
     # Latency profile of the simulated backend: "zero", or "paper[-container|-fncall|
     # -microvm]" (slow creates widen the crash windows the fault tests aim at).
     simulated_profile: str = "zero"
@@ -238,6 +241,13 @@ def _port_token_key(state_dir: str) -> bytes:
         raise InvalidArgument(f"{path} holds {len(key)} bytes, not a 32-byte key; remove it "
                               "(the URLs of exposed ports change)")
     return key
+
+
+def _reply_budget(cfg: ClusterConfig) -> int | None:
+    """ApiConfig's reply_budget_bytes from ``--reply-budget`` (unset: its default)."""
+    if cfg.reply_budget is None:
+        return ApiConfig().reply_budget_bytes
+    return None if cfg.reply_budget == "off" else cfg.reply_budget
 
 
 def _host_paths(state_dir: str) -> tuple[str, ...]:
@@ -341,7 +351,8 @@ class ClusterRuntime:
                 config=ApiConfig(default_ttl_s=cfg.default_ttl_s, default_backend=cfg.backend,
                                  redact_paths=_host_paths(given),
                                  port_token_key=_port_token_key(cfg.state_dir),
-                                 net_default=cfg.net_default))
+                                 net_default=cfg.net_default,
+                                 reply_budget_bytes=_reply_budget(cfg)))
             service.joins = self.join_authority     # the cluster_* rows (None: no CA)
             # issue 19: admin actions, durable, 0600 in the state dir (dsec.logs)
             service.audit = AuditLog(os.path.join(cfg.state_dir, AUDIT_FILE))

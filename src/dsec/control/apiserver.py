@@ -49,7 +49,7 @@ from dsec.control.api.openapi import (
 )
 from dsec.control.api.service import AdminOps, ApiService, Caller
 from dsec.control.proxy import PortProxy
-from dsec.control.replybudget import ReplyLease, hold_replies
+from dsec.control.replybudget import ReplyLease, SentThenReleased, hold_replies
 from dsec.errors import (
     DsecError,
     InternalError,
@@ -205,11 +205,9 @@ def _decode(tp: type, raw: bytes, op: CatalogueOp[Any, Any]) -> Any:
 
 class _Released(Response):
     """``inner``, with the reply budget's leases of its body (dsec.control.replybudget)
-    given back once it has been sent: a client that does not read keeps it charged. The
-    body goes as a non-final message and then an empty final one, because uvicorn waits
-    for the transport's buffer to drain only before a message, never after the last
-    (measured: a 12 MiB reply nobody read was "sent" at once, 9 MiB of it still in the
-    process)."""
+    charged the body's size and given back once it has been sent
+    (:func:`~dsec.control.replybudget.releasing_send`): a client that does not read
+    keeps it charged."""
 
     def __init__(self, inner: Response, leases: list[ReplyLease]) -> None:
         # no Response.__init__: everything is the inner response's
@@ -220,16 +218,7 @@ class _Released(Response):
         return getattr(self.inner, name)
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        async def send_drained(message: Any) -> None:
-            if message["type"] == "http.response.body" and not message.get("more_body"):
-                await send({**message, "more_body": True})
-                message = {"type": "http.response.body", "body": b"", "more_body": False}
-            await send(message)
-        try:
-            await self.inner(scope, receive, send_drained)
-        finally:
-            for lease in self.leases:
-                lease.release()
+        await SentThenReleased(self.inner, self.leases)(scope, receive, send)
 
 
 def _json_response(obj: Any, rid: str, status: int = 200) -> Response:

@@ -366,3 +366,38 @@ def test_a_reader_may_look_but_not_act(tenants: Tenants) -> None:
             assert r.status_code == 403, (action, r.status_code)
             assert refused["message"] in html.unescape(r.text)     # REST's words
     assert _state(t, sid) == "running"
+
+
+def test_the_sandbox_page_keeps_its_events_charged_until_it_is_sent(tenants: Tenants) -> None:
+    """Red team 21, B2: the sandbox page is a door of the reply budget (its events are a
+    budgeted reply): the events' lease is held while the page's body is written, given
+    back after."""
+    from starlette.applications import Starlette
+
+    from dsec.control.ui import Dashboard
+    t = tenants
+    sid = t.create(t.a_key, t.a_project)[0]
+    service = t.cluster.runtime.service
+    app = Starlette(routes=Dashboard(service).routes())
+    seen: dict[str, Any] = {}
+
+    async def call() -> None:
+        async def receive() -> dict[str, Any]:
+            return {"type": "http.request", "body": b"", "more_body": False}
+
+        async def send(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                seen["status"] = message["status"]
+            elif message["type"] == "http.response.body" and "held" not in seen:
+                seen["held"] = service.replies.budget.held(t.a_project)
+        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
+                 "method": "GET", "scheme": "http", "path": f"/ui/sandboxes/{sid}",
+                 "raw_path": b"", "query_string": b"", "root_path": "",
+                 "headers": [(b"host", b"127.0.0.1"),
+                             (b"cookie", f"dsec_ui={t.a_key}".encode())],
+                 "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
+        await app(scope, receive, send)
+    t.on_loop(call())
+    assert seen["status"] == 200, seen
+    assert seen["held"] > 0, "the page was written with its events' lease given back"
+    assert service.replies.budget.held(t.a_project) == 0

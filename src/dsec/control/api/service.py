@@ -440,20 +440,21 @@ class ApiConfig:
     net_default: NetworkPolicy = field(default_factory=NetworkPolicy)
     # Bytes of large unary replies (exec output, list_dir, events) one tenant (top-level
     # project) holds in this apiserver at once, from the edge's answer until its client
-    # has read it (dsec.control.replybudget); None: no budget.
-    reply_budget_bytes: int | None = 1 << 30
+    # has read it (dsec.control.replybudget); None: no budget. Calls reserve their reply's
+    # worst case (an exec: 2 x min(output_cap_bytes, reply_output_bytes) + 4 KiB), so
+    # this bounds what a tenant's unread replies hold. 4 GiB: 2,044 unary execs of one
+    # tenant in flight at the default 1 MiB cap (16,131 at a 128 KiB cap); the bytes are
+    # reserved, not allocated, so an apiserver with many tenants is not sized for all
+    # of them at once (docs/api.md).
+    reply_budget_bytes: int | None = 4 << 30
     # How long a call waits for room in its tenant's budget before RateLimited.
     reply_budget_wait_s: float = 30.0
-    # What a list_dir or events call reserves before its reply arrives (then its size).
-    reply_reserve_bytes: int = 1 << 20
-    # What an exec reserves before its reply arrives (then its size), at most its worst
-    # case. Not the worst case itself: at 2 x the 1 MiB default cap that let only 512
-    # unary execs of one tenant be in flight per apiserver (an RL run's env pool has
-    # more), and a tenant that does not read overshoots once by at most its execs in
-    # flight x their real size, then waits for its clients (docs/api.md).
-    reply_exec_reserve_bytes: int = 64 << 10
-    # The most output per stream an edge puts in an exec's reply (its
-    # EdgeConfig.max_reply_output_bytes): an exec's worst case is twice min(its cap, this).
+    # What a list_dir, process_list or events call reserves before its reply arrives
+    # (then its size): their replies have no cap of their own but the edge link's frame
+    # size (dsec.aether DEFAULT_MAX_FRAME, 16 MiB), so that is their worst case: 256 of
+    # them of one tenant in flight at the default budget. (1 MiB, an estimate, let each
+    # hold 16x what it reserved: red team 21, B3.)
+    reply_reserve_bytes: int = 16 << 20
     reply_output_bytes: int = 4 << 20
 
 
@@ -1361,13 +1362,15 @@ class ApiService:
                 continue
             groups.setdefault(id(edge), (edge, []))[1].append(i)
             tenants.setdefault(tenant_of(project), []).append(i)
-        # the reply within each tenant's reply budget: an estimate per tenant before,
-        # what its results hold after (a batch's worst case would serialise RL ticks)
+        # the reply within each tenant's reply budget: its items' worst cases before,
+        # what its results hold after (red team 21, B3: a 1 MiB estimate per batch let
+        # 1,024 results of up to 8 MiB each through uncounted)
         leases: list[tuple[ReplyLease, list[int]]] = []
         try:
             for tenant in sorted(tenants):
-                leases.append((await self.replies.acquire(
-                    tenant, self.config.reply_reserve_bytes), tenants[tenant]))
+                idx = tenants[tenant]
+                leases.append((await self.replies.acquire(tenant, sum(
+                    self._exec_worst_case(items[i][1]) for i in idx)), idx))
         except BaseException:
             for lease, _ in leases:
                 lease.release()
@@ -1424,10 +1427,27 @@ class ApiService:
                 if not gate.users:
                     del self._reads[key]      # idle: the table holds busy tenants only
         # in pieces that fit an Aether frame, up to the one-read limit (dsec.wire.spec);
-        # the whole answer within the tenant's reply budget (its length, if it says one)
-        reserve = self.config.reply_reserve_bytes if length is None else length
-        return await self._budgeted(project, min(reserve, MAX_FILE_READ_BYTES),
-                                    lambda: read_in_chunks(piece, offset, length))
+        # the whole answer within the tenant's reply budget: its length if it says one,
+        # else each piece's room is taken (waiting) before the piece is asked for: a
+        # read to the end may be 64 MiB, and an estimate for it let a tenant hold 64x
+        # what it reserved (red team 21, B3)
+        if length is not None:
+            return await self._budgeted(project, min(length, MAX_FILE_READ_BYTES),
+                                        lambda: read_in_chunks(piece, offset, length))
+        tenant = tenant_of(project)
+        more: list[ReplyLease] = []
+
+        async def room_then_piece(at: int, n: int) -> bytes:
+            more.append(await self.replies.acquire(
+                tenant, n, own=sum(lease.bytes for lease in more)))
+            return await piece(at, n)
+        try:
+            data = await self._budgeted(project, 0, lambda: read_in_chunks(
+                room_then_piece, offset, None))
+        finally:
+            for lease in more:      # the kept lease holds the answer's size by now
+                lease.release()
+        return data
 
     async def write_file(self, principal: Caller, sid: str, path: str, data: bytes,
                          mode: int, append: bool) -> None:
@@ -1975,16 +1995,19 @@ class ApiService:
         return await call()
 
     def _reply_reserve(self, op: Op[Any, Any], body: Any) -> int:
-        """The estimate ``op``'s call reserves before its reply arrives (an exec: at most
-        its worst case)."""
-        cfg = self.config
+        """What ``op``'s call reserves before its reply arrives (an exec: its worst case;
+        the others: an estimate)."""
         if op is ops.EXEC:
-            req: ExecRequest = body.req
-            if req.background:
-                return _REPLY_OVERHEAD
-            return min(2 * min(req.output_cap_bytes, cfg.reply_output_bytes),
-                       cfg.reply_exec_reserve_bytes) + _REPLY_OVERHEAD
-        return cfg.reply_reserve_bytes
+            return self._exec_worst_case(body.req)
+        return self.config.reply_reserve_bytes
+
+    def _exec_worst_case(self, req: ExecRequest) -> int:
+        """The most an exec's reply holds: both streams at min(its cap, the edge's
+        reply cap), and its other fields (red team 21, B3: reserving less let a tenant
+        that does not read hold 15x its budget)."""
+        if req.background:
+            return _REPLY_OVERHEAD
+        return 2 * min(req.output_cap_bytes, self.config.reply_output_bytes) + _REPLY_OVERHEAD
 
     async def _budgeted(self, project: str, reserve: int,
                         call: Callable[[], Awaitable[T]]) -> T:

@@ -54,6 +54,7 @@ from dsec.control.e2b import connect as rpc
 from dsec.control.e2b import mapping
 from dsec.control.e2b.tokens import SandboxTokens, Scope, is_token
 from dsec.control.e2b.watchers import Watchers
+from dsec.control.replybudget import SentThenReleased, consumed, hold_replies
 from dsec.errors import (
     DsecError,
     InvalidArgument,
@@ -237,7 +238,17 @@ class E2BApp:
 
     # ----------------------------------------------------------------- routing
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or not access_enabled():
+        if scope["type"] != "http":
+            await self._serve(scope, receive, send)
+            return
+        # a door of the per-tenant reply budget (red team 21, B2): the leases of the
+        # replies this request's response is made of stay charged until it is written
+        # out (dsec.control.replybudget), as at the REST door and the gateway
+        with hold_replies() as leases:
+            await SentThenReleased(self._logged, leases)(scope, receive, send)
+
+    async def _logged(self, scope: Any, receive: Any, send: Any) -> None:
+        if not access_enabled():
             await self._serve(scope, receive, send)
             return
         # --access-log (issue 19; red team 19 B9: every door): one line per request, as
@@ -677,7 +688,8 @@ class E2BApp:
                                   field="process")
         if isinstance(pid, int) and not running:
             return pid
-        table = await self._plist(caller, SandboxRef(id=sandbox))
+        with consumed():        # looked up here, not written out
+            table = await self._plist(caller, SandboxRef(id=sandbox))
         for p in table.items:
             if (p.pid == pid if isinstance(pid, int) else p.tag == tag) and (
                     p.running or not running):
@@ -686,7 +698,8 @@ class E2BApp:
                        f"in sandbox {sandbox[:80]}")
 
     async def _is_pty(self, caller: Caller, sandbox: str, pid: int) -> bool:
-        table = await self._plist(caller, SandboxRef(id=sandbox))
+        with consumed():
+            table = await self._plist(caller, SandboxRef(id=sandbox))
         return any(p.pid == pid and p.pty for p in table.items)
 
     async def _start(self, request: Request, caller: Caller, sandbox: str,
@@ -1054,9 +1067,10 @@ class E2BApp:
 
     async def _context(self, kernel: _KernelSandbox, cid: str) -> dict[str, str]:
         try:
-            raw = await self._read(kernel.caller, ReadFile(
-                id=kernel.id, path=f"{codeapi.CONTEXT_DIR}/{cid}.json",
-                length=codeapi.MAX_CONTEXT_RECORD + 1))
+            with consumed():
+                raw = await self._read(kernel.caller, ReadFile(
+                    id=kernel.id, path=f"{codeapi.CONTEXT_DIR}/{cid}.json",
+                    length=codeapi.MAX_CONTEXT_RECORD + 1))
         except NotFound:
             raw = b""
         rec = codeapi.parse_context(raw, cid) if raw else None
@@ -1066,8 +1080,9 @@ class E2BApp:
 
     async def _contexts(self, kernel: _KernelSandbox) -> list[dict[str, str]]:
         try:
-            listing = await self._list_dir(kernel.caller, FileRef(
-                id=kernel.id, path=codeapi.CONTEXT_DIR))
+            with consumed():
+                listing = await self._list_dir(kernel.caller, FileRef(
+                    id=kernel.id, path=codeapi.CONTEXT_DIR))
         except NotFound:
             return []
         out = []
@@ -1231,9 +1246,10 @@ class E2BApp:
                      user: str) -> None:
         """``script`` (sh, ``$1``...: ``args``) as ``user`` through the ``exec`` row; a
         failure is the user's to see (their rights: permission_denied)."""
-        r: ExecResult = await self._exec(caller, ExecCall(id=sandbox, req=ExecRequest(
-            argv=("/bin/sh", "-c", script, "sh", *args), user=user, timeout_s=30.0,
-            output_cap_bytes=4096)))
+        with consumed():        # a check: its output is not written out
+            r: ExecResult = await self._exec(caller, ExecCall(id=sandbox, req=ExecRequest(
+                argv=("/bin/sh", "-c", script, "sh", *args), user=user, timeout_s=30.0,
+                output_cap_bytes=4096)))
         if r.exit_code != 0:
             why = r.stderr.decode(errors="replace").strip()[-300:] or \
                 f"exit {r.exit_code}"
@@ -1333,7 +1349,9 @@ class _KernelSandbox:
         req = ExecRequest(argv=argv, stdin=data, timeout_s=timeout)
         if output_cap:
             req = msgspec.structs.replace(req, output_cap_bytes=output_cap)
-        result: ExecResult = await self.app._exec(self.caller, ExecCall(id=self.id, req=req))
+        with consumed():    # the kernel driver's: parsed, not written out as it is
+            result: ExecResult = await self.app._exec(self.caller,
+                                                      ExecCall(id=self.id, req=req))
         return result
 
     async def exec_stream(self, cmd: Sequence[str], *, timeout: float | None,
