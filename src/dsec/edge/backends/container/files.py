@@ -245,7 +245,8 @@ def _check_memory(home: MemoryHome | None, sid: str, path: str, size: int,
     anything changed: written anyway, it would OOM-kill the sandbox's processes."""
     if home is None or size <= freed:
         return
-    room, limit = home.room()
+    with linux.as_root():           # the edge's bookkeeping (cgroup files)
+        room, limit = home.room()
     if size - freed > room:
         raise QuotaExceeded(
             f"write {path[:200]!r} ({size} bytes) in sandbox {sid} refused: it is on a "
@@ -541,7 +542,8 @@ class SandboxFiles:
                 os.close(fd)
         if fs != OVERLAYFS_SUPER_MAGIC:
             return
-        room, limit = self.disk_room()
+        with linux.as_root():       # the edge's bookkeeping (host paths), not the user's
+            room, limit = self.disk_room()
         if size > room:
             raise QuotaExceeded(
                 f"write {path[:200]!r} ({size} bytes) in sandbox {self.sid} refused: "
