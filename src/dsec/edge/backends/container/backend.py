@@ -2057,7 +2057,7 @@ class ContainerBackend:
         def work() -> _T:
             with files:
                 creds = files.user_creds(user) if user else None
-                files.as_user = creds is not None
+                files.as_user = user if creds is not None else None
                 with linux.fs_creds(creds):
                     return op(files)
 
@@ -2117,7 +2117,7 @@ class ContainerBackend:
         if not user:
             return self._in_pool
         creds = await self._in_pool(lambda: files.user_creds(user))
-        files.as_user = creds is not None
+        files.as_user = user if creds is not None else None
 
         def step(fn: Callable[[], _T]) -> Awaitable[_T]:
             def work() -> _T:

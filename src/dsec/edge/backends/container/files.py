@@ -283,9 +283,9 @@ class SandboxFiles:
         # the sandbox's user namespace maps (inside, host, count), None: identity
         self.id_maps: tuple[tuple[tuple[int, int, int], ...],
                             tuple[tuple[int, int, int], ...]] | None = None
-        # set while an operation runs as a sandbox user (:meth:`user_creds`): files and
-        # directories it makes are that user's already, never given to ``owner``
-        self.as_user = False
+        # the sandbox user an operation runs as (:meth:`user_creds`), None: the edge
+        # (root); files and directories it makes are that user's, never given to ``owner``
+        self.as_user: str | None = None
 
     def user_creds(self, user: str) -> linux.FsCreds | None:
         """The host file identity of sandbox user ``user`` (a name or a uid, optionally
@@ -384,8 +384,9 @@ class SandboxFiles:
 
     def _err(self, exc: OSError, what: str, path: str) -> Exception:
         if self.as_user and exc.errno in (errno.EACCES, errno.EPERM):
-            return PermissionDenied(f"{what} {path!r} in sandbox {self.sid}: {exc.strerror} "
-                                    "(as the user the call runs as)", path=path)
+            return PermissionDenied(f"{what} {path!r} in sandbox {self.sid} as user "
+                                    f"{self.as_user!r}: {exc.strerror}", path=path,
+                                    user=self.as_user)
         if isinstance(exc, FileNotFoundError):
             return NotFound(f"{what} {path!r} in sandbox {self.sid}: no such file or directory",
                             path=path)
