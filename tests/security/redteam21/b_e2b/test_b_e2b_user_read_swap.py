@@ -24,12 +24,11 @@ SECRET = "hidden-answer-42\n"
 
 def test_user_read_never_returns_what_the_user_may_not_read(
         e2b_target: E2BTarget, monkeypatch: pytest.MonkeyPatch) -> None:
-    from e2b import Sandbox
-
     from dsec.control import filedoors
     from dsec.wire import ops
     from dsec.wire.calls import ExecCall
     from dsec.wire.spec import ExecRequest
+    from e2b import Sandbox
 
     # The agent wins the race right before the read: the hook sits on the read itself
     # (filedoors.sized_read), which came after the user check in the code this repro was

@@ -21,12 +21,11 @@ pytestmark = pytest.mark.root
 
 def test_user_write_into_a_swapped_directory_writes_nothing_as_root(
         e2b_target: E2BTarget, monkeypatch: pytest.MonkeyPatch) -> None:
-    from e2b import Sandbox
-
     from dsec.control import filedoors
     from dsec.wire import ops
     from dsec.wire.calls import ExecCall
     from dsec.wire.spec import ExecRequest
+    from e2b import Sandbox
 
     # The agent wins the race right before root's (now: the user's) write: the hook sits
     # on the write itself (filedoors.write_chunks), which came after the user check in

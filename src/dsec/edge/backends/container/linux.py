@@ -41,7 +41,6 @@ __all__ = [
     "current_fs_creds",
     "drop_capabilities",
     "fs_creds",
-    "set_fs_creds",
     "fstatfs_type",
     "load_seccomp",
     "mount",
@@ -51,6 +50,7 @@ __all__ = [
     "pidfd_send_signal",
     "pivot_root",
     "remount",
+    "set_fs_creds",
     "set_no_new_privs",
     "sethostname",
     "setns",
@@ -377,7 +377,7 @@ def set_fs_creds(c: FsCreds) -> None:
         raise OSError(errno.EPERM, f"could not take file identity {c!r} (have {now!r})")
 
 
-class fs_creds:  # noqa: N801 - a context manager, used like a function
+class fs_creds:  # a context manager, used like a function
     """``with fs_creds(c):`` this thread acts on files as ``c`` (None: unchanged), and
     gets back its own identity after, whatever happens. A thread that cannot get its
     identity back must not do root's work with a user's: the process aborts (the edge
@@ -386,7 +386,8 @@ class fs_creds:  # noqa: N801 - a context manager, used like a function
     __slots__ = ("c", "saved")
 
     def __init__(self, c: FsCreds | None) -> None:
-        self.c, self.saved = c, None
+        self.c = c
+        self.saved: FsCreds | None = None
 
     def __enter__(self) -> None:
         if self.c is None:
@@ -411,7 +412,7 @@ class fs_creds:  # noqa: N801 - a context manager, used like a function
             _setgroups(saved.groups)
             now = current_fs_creds()
             ok = now.uid == saved.uid and now.gid == saved.gid
-        except BaseException:
+        except BaseException:  # noqa: BLE001 - any failure here ends the process
             ok = False
         if not ok:
             os.write(2, b"dsec: a file thread could not restore its credentials; aborting\n")
