@@ -130,3 +130,11 @@ async def test_backends_that_cannot_are_refused_clearly() -> None:
         assert await node.read_file(info.id, "/f") == b"x"
     finally:
         await node.close()
+
+
+async def test_file_calls_as_a_user_on_runc(runc_backend: ContainerBackend) -> None:
+    sid = new_sid()
+    await runc_backend.create(sid, SPEC)
+    await sh(runc_backend, sid, SETUP)
+    await _as_user_calls(runc_backend, sid)
+    await _threads_are_root_again(runc_backend)
