@@ -45,9 +45,10 @@ def test_sdk_files_as_a_user(e2b_cluster: LocalCluster, e2b_target: E2BTarget,
             assert sb.exec("stat -c '%U' /tmp/u/d /tmp/u/d/g").stdout.split() == \
                 [b"user", b"user"]
             # a symlinked file reads whole (its size is the target's: B5)
-            sb.exec("ln -s /tmp/u/d/g /tmp/u/link")
-            assert sb.files.read("/tmp/u/link", stream=True, user="user") is not None
-            assert b"".join(sb.files.read("/tmp/u/link", stream=True)) == b"mine"
+            assert sb.exec("ln -s /tmp/u/d/g /tmp/u/link").exit_code == 0
+            assert b"".join(sb.files.read("/tmp/u/link", stream=True,
+                                          user="user")) == b"mine"
+            assert sb.files.read("/tmp/u/link") == b"mine"
         finally:
             sb.kill()
 
@@ -77,3 +78,29 @@ def test_e2b_files_as_a_user(e2b_target: E2BTarget) -> None:
         assert not sb.files.exists("/tmp/u/d", user="user")
     finally:
         sb.kill()
+
+
+def test_cli_cp_copies_a_symlinked_file_whole(e2b_cluster: LocalCluster,
+                                              e2b_target: E2BTarget, tmp_path: object) -> None:
+    """``dsec sandbox cp ID:/link local``: the link's stat said "symlink" (size: its
+    target's name), which cp refused; it copies the file it names (B5's class)."""
+    import os
+
+    from click.testing import CliRunner
+
+    from dsec.cli.main import cli
+    with e2b_cluster.client(session_lease_s=None) as c:
+        sb = c.sandboxes.create(image=e2b_target.template)
+        try:
+            sb.files.write("/tmp/real.bin", b"z" * 5001)
+            assert sb.exec("ln -s /tmp/real.bin /tmp/link").exit_code == 0
+            out = os.path.join(str(tmp_path), "got.bin")
+            r = CliRunner().invoke(cli, ["sandbox", "cp", f"{sb.id}:/tmp/link", out],
+                                   env={"DSEC_URL": e2b_cluster.url,
+                                        "DSEC_API_KEY": e2b_cluster.api_key},
+                                   catch_exceptions=False)
+            assert r.exit_code == 0, r.output
+            with open(out, "rb") as f:
+                assert f.read() == b"z" * 5001
+        finally:
+            sb.kill()
