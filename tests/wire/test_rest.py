@@ -89,7 +89,7 @@ def test_a_spec_with_every_field_set_crosses_rest_unchanged() -> None:
 def test_query_parameters_are_typed_by_the_request_and_refused_by_name() -> None:
     sid = _Names.sid
     with pytest.raises(InvalidArgument, match="unknown query parameter 'parnets' for the "
-                       r"mkdir request \(it takes: parents, path\)") as ei:
+                       r"mkdir request \(it takes: parents, path, user\)") as ei:
         decode_request(ops.MKDIR, {"id": sid}, [("path", "/a"), ("parnets", "0")], {}, None)
     assert ei.value.detail["field"] == "parnets"
     with pytest.raises(InvalidArgument, match="must be true or false"):

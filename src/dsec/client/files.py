@@ -97,49 +97,56 @@ class AsyncFiles:
 
     @overload
     async def read(self, path: str, *, offset: int = 0, length: int | None = None,
-                   stream: Literal[False] = False) -> bytes: ...
+                   stream: Literal[False] = False, user: str | None = None) -> bytes: ...
 
     @overload
     async def read(self, path: str, *, offset: int = 0, length: int | None = None,
-                   stream: Literal[True]) -> AsyncIterator[bytes]: ...
+                   stream: Literal[True], user: str | None = None) -> AsyncIterator[bytes]: ...
 
     async def read(self, path: str, *, offset: int = 0, length: int | None = None,
-                   stream: bool = False) -> bytes | AsyncIterator[bytes]:
+                   stream: bool = False, user: str | None = None
+                   ) -> bytes | AsyncIterator[bytes]:
         """The file's bytes (from ``offset``, ``length`` of them). ``stream=True``: an
         async iterator of pieces as they arrive, for files of any size; without it the
-        whole file in memory (in 8 MiB requests up to 64 MiB, streamed beyond)."""
+        whole file in memory (in 8 MiB requests up to 64 MiB, streamed beyond).
+        ``user``: read as that sandbox user (their rights; see "Files as a user")."""
         if stream:
-            return self._stream(path, offset, length)
+            return self._stream(path, offset, length, user=user)
 
         async def piece(at: int, n: int) -> bytes:
             return await self._sb._c.call(ops.READ_FILE, ReadFile(
-                id=self._sb.id, path=path, offset=at, length=n))
+                id=self._sb.id, path=path, offset=at, length=n, user=user))
         try:
             return await read_in_chunks(piece, offset, length)
         except PayloadTooLarge:
-            return b"".join([c async for c in self._stream(path, offset, length)])
+            return b"".join([c async for c in self._stream(path, offset, length,
+                                                           user=user)])
 
     async def _stream(self, path: str, offset: int, length: int | None,
-                      sink: list[FileInfo] | None = None) -> AsyncIterator[bytes]:
+                      sink: list[FileInfo] | None = None, *,
+                      user: str | None = None) -> AsyncIterator[bytes]:
         t = await self._transport()
         async for item in t.read_stream(ops.FILE_READ_STREAM, ReadStream(
-                id=self._sb.id, path=path, offset=offset, length=length)):
+                id=self._sb.id, path=path, offset=offset, length=length, user=user)):
             if isinstance(item, FileInfo):
                 if sink is not None:
                     sink.append(item)
             else:
                 yield item
 
-    async def read_text(self, path: str) -> str:
-        return (await self.read(path)).decode()
+    async def read_text(self, path: str, *, user: str | None = None) -> str:
+        return (await self.read(path, user=user)).decode()
 
     async def write(self, path: str, data: WriteData, *, mode: int = 0o644,
                     append: bool = False, size: int | None = None,
-                    progress: Progress | None = None) -> FileInfo | None:
+                    progress: Progress | None = None,
+                    user: str | None = None) -> FileInfo | None:
         """Replace ``path`` atomically with ``data`` (bytes, str, a binary file object,
         or an iterator / async iterator of bytes): the file as written. ``size``, when
         known, lets the sandbox refuse an upload its disk cannot take before any byte
-        moves. ``append=True`` adds bytes/str at the end instead (not atomic; None)."""
+        moves. ``append=True`` adds bytes/str at the end instead (not atomic; None).
+        ``user``: written as that sandbox user - their rights decide, and the file (and
+        any parent made) is theirs (docs/sdk.md "Files as a user")."""
         if append:
             if not isinstance(data, (bytes, bytearray, memoryview, str)):
                 raise TypeError("append takes bytes or str")
@@ -147,30 +154,34 @@ class AsyncFiles:
             for at in range(0, max(1, len(raw)), FILE_CHUNK_BYTES):
                 await self._sb._c.call(ops.WRITE_FILE, WriteFile(
                     id=self._sb.id, path=path, data=raw[at:at + FILE_CHUNK_BYTES],
-                    mode=mode, append=True), idempotent=False)
+                    mode=mode, append=True, user=user), idempotent=False)
             return None
         if size is None and isinstance(data, (bytes, bytearray, memoryview)):
             size = len(data)
         t = await self._transport()
         info: FileInfo = await t.write_stream(
             ops.FILE_WRITE_STREAM, WriteStream(id=self._sb.id, path=path, mode=mode,
-                                               size=size), _pieces(data, progress))
+                                               size=size, user=user),
+            _pieces(data, progress))
         return info
 
     async def upload(self, local: str | os.PathLike[str], remote: str, *,
-                     mode: int | None = None, progress: Progress | None = None) -> FileInfo:
+                     mode: int | None = None, progress: Progress | None = None,
+                     user: str | None = None) -> FileInfo:
         """Copy local file ``local`` to ``remote`` in the sandbox (atomically; its
-        permission bits unless ``mode`` is given)."""
+        permission bits unless ``mode`` is given; ``user``: as that sandbox user)."""
         st = os.stat(local)
         f = await asyncio.to_thread(open, local, "rb")
         with f:
             info = await self.write(remote, f, mode=st.st_mode & 0o7777 if mode is None
-                                    else mode, size=st.st_size, progress=progress)
+                                    else mode, size=st.st_size, progress=progress,
+                                    user=user)
         assert info is not None
         return info
 
     async def download(self, remote: str, local: str | os.PathLike[str], *,
-                       progress: Progress | None = None) -> FileInfo:
+                       progress: Progress | None = None,
+                       user: str | None = None) -> FileInfo:
         """Copy ``remote`` from the sandbox to local file ``local``: written to a
         temporary file beside it and renamed into place once complete (an interrupted
         download leaves ``local`` as it was). ``local`` may be a directory."""
@@ -182,7 +193,7 @@ class AsyncFiles:
         try:
             with os.fdopen(fd, "wb") as f:
                 done = 0
-                async for chunk in self._stream(remote, 0, None, got):
+                async for chunk in self._stream(remote, 0, None, got, user=user):
                     await asyncio.to_thread(f.write, chunk)
                     done += len(chunk)
                     if progress is not None:
@@ -198,34 +209,41 @@ class AsyncFiles:
             raise
         return got[0]
 
-    async def list(self, path: str = "/") -> builtins.list[FileInfo]:
-        return (await self._sb._c.call(ops.LIST_DIR, FileRef(id=self._sb.id, path=path))).items
+    async def list(self, path: str = "/", *,
+                   user: str | None = None) -> builtins.list[FileInfo]:
+        return (await self._sb._c.call(ops.LIST_DIR, FileRef(id=self._sb.id, path=path,
+                                                             user=user))).items
 
-    async def stat(self, path: str) -> FileInfo:
-        return await self._sb._c.call(ops.STAT, FileRef(id=self._sb.id, path=path))
+    async def stat(self, path: str, *, user: str | None = None) -> FileInfo:
+        return await self._sb._c.call(ops.STAT, FileRef(id=self._sb.id, path=path,
+                                                        user=user))
 
-    async def exists(self, path: str) -> bool:
+    async def exists(self, path: str, *, user: str | None = None) -> bool:
         try:
-            await self.stat(path)
+            await self.stat(path, user=user)
             return True
         except NotFound:
             return False
 
-    async def mkdir(self, path: str, *, parents: bool = True) -> None:
+    async def mkdir(self, path: str, *, parents: bool = True,
+                    user: str | None = None) -> None:
         """Create directory ``path``; ``parents=False``: ``NotFound`` when its parent is
         missing (else the missing parents are created too, like ``mkdir -p``)."""
-        await self._sb._c.call(ops.MKDIR, Mkdir(id=self._sb.id, path=path, parents=parents))
+        await self._sb._c.call(ops.MKDIR, Mkdir(id=self._sb.id, path=path, parents=parents,
+                                                user=user))
 
-    async def rename(self, src: str, dst: str, *, overwrite: bool = False) -> FileInfo:
+    async def rename(self, src: str, dst: str, *, overwrite: bool = False,
+                     user: str | None = None) -> FileInfo:
         """Move ``src`` to ``dst`` inside the sandbox (same filesystem); an existing
         ``dst`` is refused unless ``overwrite``. The moved entry's FileInfo."""
         return await self._sb._c.call(ops.FILE_RENAME, Rename(
-            id=self._sb.id, src=src, dst=dst, overwrite=overwrite))
+            id=self._sb.id, src=src, dst=dst, overwrite=overwrite, user=user))
 
-    async def remove(self, path: str, *, recursive: bool = False) -> None:
+    async def remove(self, path: str, *, recursive: bool = False,
+                     user: str | None = None) -> None:
         # not retried on a lost connection: a repeat after it happened says NotFound
         await self._sb._c.call(ops.REMOVE, Remove(id=self._sb.id, path=path,
-                                                  recursive=recursive))
+                                                  recursive=recursive, user=user))
 
     async def watch(self, path: str, *, recursive: bool = False,
                     timeout: float | None = None) -> AsyncIterator[FileEvent]:
@@ -264,52 +282,55 @@ class Files:
 
     @overload
     def read(self, path: str, *, offset: int = 0, length: int | None = None,
-             stream: Literal[False] = False) -> bytes: ...
+             stream: Literal[False] = False, user: str | None = None) -> bytes: ...
 
     @overload
     def read(self, path: str, *, offset: int = 0, length: int | None = None,
-             stream: Literal[True]) -> Iterator[bytes]: ...
+             stream: Literal[True], user: str | None = None) -> Iterator[bytes]: ...
 
     def read(self, path: str, *, offset: int = 0, length: int | None = None,
-             stream: bool = False) -> bytes | Iterator[bytes]:
+             stream: bool = False, user: str | None = None) -> bytes | Iterator[bytes]:
         if stream:
-            return self._iter(self._a._stream(path, offset, length))
-        return self._c._run(self._a.read(path, offset=offset, length=length))
+            return self._iter(self._a._stream(path, offset, length, user=user))
+        return self._c._run(self._a.read(path, offset=offset, length=length, user=user))
 
-    def read_text(self, path: str) -> str:
-        return self._c._run(self._a.read_text(path))
+    def read_text(self, path: str, *, user: str | None = None) -> str:
+        return self._c._run(self._a.read_text(path, user=user))
 
     def write(self, path: str, data: WriteData, *, mode: int = 0o644,
               append: bool = False, size: int | None = None,
-              progress: Progress | None = None) -> FileInfo | None:
+              progress: Progress | None = None, user: str | None = None) -> FileInfo | None:
         return self._c._run(self._a.write(path, data, mode=mode, append=append, size=size,
-                                          progress=progress))
+                                          progress=progress, user=user))
 
     def upload(self, local: str | os.PathLike[str], remote: str, *,
-               mode: int | None = None, progress: Progress | None = None) -> FileInfo:
-        return self._c._run(self._a.upload(local, remote, mode=mode, progress=progress))
+               mode: int | None = None, progress: Progress | None = None,
+               user: str | None = None) -> FileInfo:
+        return self._c._run(self._a.upload(local, remote, mode=mode, progress=progress,
+                                           user=user))
 
     def download(self, remote: str, local: str | os.PathLike[str], *,
-                 progress: Progress | None = None) -> FileInfo:
-        return self._c._run(self._a.download(remote, local, progress=progress))
+                 progress: Progress | None = None, user: str | None = None) -> FileInfo:
+        return self._c._run(self._a.download(remote, local, progress=progress, user=user))
 
-    def list(self, path: str = "/") -> builtins.list[FileInfo]:
-        return self._c._run(self._a.list(path))
+    def list(self, path: str = "/", *, user: str | None = None) -> builtins.list[FileInfo]:
+        return self._c._run(self._a.list(path, user=user))
 
-    def stat(self, path: str) -> FileInfo:
-        return self._c._run(self._a.stat(path))
+    def stat(self, path: str, *, user: str | None = None) -> FileInfo:
+        return self._c._run(self._a.stat(path, user=user))
 
-    def exists(self, path: str) -> bool:
-        return self._c._run(self._a.exists(path))
+    def exists(self, path: str, *, user: str | None = None) -> bool:
+        return self._c._run(self._a.exists(path, user=user))
 
-    def mkdir(self, path: str, *, parents: bool = True) -> None:
-        self._c._run(self._a.mkdir(path, parents=parents))
+    def mkdir(self, path: str, *, parents: bool = True, user: str | None = None) -> None:
+        self._c._run(self._a.mkdir(path, parents=parents, user=user))
 
-    def rename(self, src: str, dst: str, *, overwrite: bool = False) -> FileInfo:
-        return self._c._run(self._a.rename(src, dst, overwrite=overwrite))
+    def rename(self, src: str, dst: str, *, overwrite: bool = False,
+               user: str | None = None) -> FileInfo:
+        return self._c._run(self._a.rename(src, dst, overwrite=overwrite, user=user))
 
-    def remove(self, path: str, *, recursive: bool = False) -> None:
-        self._c._run(self._a.remove(path, recursive=recursive))
+    def remove(self, path: str, *, recursive: bool = False, user: str | None = None) -> None:
+        self._c._run(self._a.remove(path, recursive=recursive, user=user))
 
     def watch(self, path: str, *, recursive: bool = False,
               timeout: float | None = None) -> Iterator[FileEvent]:

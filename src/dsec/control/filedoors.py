@@ -73,14 +73,28 @@ async def gateway_relay(client: DuplexStream, edge: DuplexStream,
 async def sized_read(service: ApiService, caller: Caller, req: ReadStream
                      ) -> tuple[ReadStream, FileInfo]:
     """For a door that must say the size before the body (REST's Content-Length): the
-    file's stat, and ``req`` with ``length`` set to exactly what will be sent (the rest
-    of the file from ``offset``, within the length asked)."""
+    file as the edge *opens* it, and ``req`` with ``length`` set to exactly what will be
+    sent (the rest of the file from ``offset``, within the length asked).
+
+    The size comes from the opened file (a zero-length ``file_read_stream``: the edge
+    opens the path - symlinks followed inside the sandbox, as ``req.user`` when set -
+    and answers its fstat), never from ``stat``, which describes a symlink itself
+    (its size is the target's name length: red team 21, B5). A file that changes
+    between this open and the read's is cut to this size, or ends the body early
+    (an error at the client, never a short file)."""
     import msgspec
 
     from dsec.wire import ops
-    from dsec.wire.calls import FileRef
-    info: FileInfo = await service.handler(ops.STAT)(caller, FileRef(id=req.id,
-                                                                     path=req.path))
+    probe = msgspec.structs.replace(req, offset=0, length=0)
+    edge, done = await service.open_file_stream(caller, ops.FILE_READ_STREAM, probe)
+    edge.close_write()
+    try:
+        while await edge.recv():
+            pass
+        info: FileInfo = await done()
+    except BaseException:
+        edge.reset("the size probe was given up")
+        raise
     n = max(0, info.size - req.offset)
     if req.length is not None:
         n = min(n, req.length)

@@ -345,36 +345,40 @@ class EdgeClient:
 
     # ---------------------------------------------------------------- files
     async def read_file(self, sandbox_id: str, path: str, *, offset: int = 0,
-                        length: int | None = None,
+                        length: int | None = None, user: str | None = None,
                         timeout: Deadline = USE_CLIENT_DEFAULT) -> bytes:
         return await self.call(ops.READ_FILE, ReadFile(id=sandbox_id, path=path, offset=offset,
-                                                       length=length), timeout=timeout)
+                                                       length=length, user=user),
+                               timeout=timeout)
 
     async def write_file(self, sandbox_id: str, path: str, data: bytes | str, *,
-                         mode: int = 0o644, append: bool = False,
+                         mode: int = 0o644, append: bool = False, user: str | None = None,
                          timeout: Deadline = USE_CLIENT_DEFAULT) -> None:
         raw = data.encode() if isinstance(data, str) else bytes(data)
         await self.call(ops.WRITE_FILE, WriteFile(id=sandbox_id, path=path, data=raw, mode=mode,
-                                                  append=append), timeout=timeout)
+                                                  append=append, user=user), timeout=timeout)
 
-    async def list_dir(self, sandbox_id: str, path: str, *,
+    async def list_dir(self, sandbox_id: str, path: str, *, user: str | None = None,
                        timeout: Deadline = USE_CLIENT_DEFAULT) -> builtins.list[FileInfo]:
-        return (await self.call(ops.LIST_DIR, FileRef(id=sandbox_id, path=path),
+        return (await self.call(ops.LIST_DIR, FileRef(id=sandbox_id, path=path, user=user),
                                 timeout=timeout)).items
 
-    async def stat(self, sandbox_id: str, path: str, *,
+    async def stat(self, sandbox_id: str, path: str, *, user: str | None = None,
                    timeout: Deadline = USE_CLIENT_DEFAULT) -> FileInfo:
-        return await self.call(ops.STAT, FileRef(id=sandbox_id, path=path), timeout=timeout)
+        return await self.call(ops.STAT, FileRef(id=sandbox_id, path=path, user=user),
+                               timeout=timeout)
 
     async def mkdir(self, sandbox_id: str, path: str, *, parents: bool = True,
+                    user: str | None = None,
                     timeout: Deadline = USE_CLIENT_DEFAULT) -> None:
-        await self.call(ops.MKDIR, Mkdir(id=sandbox_id, path=path, parents=parents),
+        await self.call(ops.MKDIR, Mkdir(id=sandbox_id, path=path, parents=parents, user=user),
                         timeout=timeout)
 
     async def remove(self, sandbox_id: str, path: str, *, recursive: bool = False,
+                     user: str | None = None,
                      timeout: Deadline = USE_CLIENT_DEFAULT) -> None:
-        await self.call(ops.REMOVE, Remove(id=sandbox_id, path=path, recursive=recursive),
-                        timeout=timeout)
+        await self.call(ops.REMOVE, Remove(id=sandbox_id, path=path, recursive=recursive,
+                                           user=user), timeout=timeout)
 
 
 def _name(tp: Any) -> str:

@@ -150,6 +150,7 @@ from dsec.wire.spec import (
     SandboxStats,
     SnapshotInfo,
     backend_of,
+    check_file_user,
     check_mode,
     check_path,
     check_read_range,
@@ -1610,35 +1611,63 @@ class EdgeNode:
             if rec.spec.idle_timeout_s is not None:
                 self._arm(rec)
 
+    def _as_user(self, sandbox_id: str, user: str | None) -> dict[str, Any]:
+        """The ``user=`` keyword of a backend file call: {} for root (None); refused on a
+        backend that cannot act on files as a sandbox user (only one whose file
+        operations run with that user's identity, checked by the kernel - the container
+        tiers - says FILES_AS_USER: a check followed by root's act would be a race)."""
+        if user is None:
+            return {}
+        check_file_user(user)
+        rec = self._find(sandbox_id)
+        if not getattr(rec.backend, "FILES_AS_USER", False):
+            raise InvalidArgument(
+                f"file calls with user={user[:40]!r} are not supported by sandbox "
+                f"{sandbox_id}'s backend ({rec.spec.backend or 'default'}): only the "
+                "container tiers (native, runc, gvisor) run them as the user; leave user "
+                "unset (root), or run a command as the user with exec", field="user")
+        return {"user": user}
+
     async def read_file(self, sandbox_id: str, path: str, *, offset: int = 0,
-                        length: int | None = None) -> bytes:
+                        length: int | None = None, user: str | None = None) -> bytes:
         check_read_range(offset, length)
+        kw = self._as_user(sandbox_id, user)
         return await self._file_op(
             sandbox_id, "read_file",
-            lambda b, s: b.read_file(s, path, offset=offset, length=length), path, read=True)
+            lambda b, s: b.read_file(s, path, offset=offset, length=length, **kw), path,
+            read=True)
 
     async def write_file(self, sandbox_id: str, path: str, data: bytes, *, mode: int = 0o644,
-                         append: bool = False) -> None:
+                         append: bool = False, user: str | None = None) -> None:
         check_mode(mode)
+        kw = self._as_user(sandbox_id, user)
         await self._file_op(sandbox_id, "write_file",
-                            lambda b, s: b.write_file(s, path, data, mode=mode, append=append),
+                            lambda b, s: b.write_file(s, path, data, mode=mode, append=append,
+                                                      **kw),
                             path)
 
-    async def list_dir(self, sandbox_id: str, path: str) -> builtins.list[FileInfo]:
+    async def list_dir(self, sandbox_id: str, path: str, *,
+                       user: str | None = None) -> builtins.list[FileInfo]:
+        kw = self._as_user(sandbox_id, user)
         return await self._file_op(
-            sandbox_id, "list_dir", lambda b, s: b.list_dir(s, path), path, read=True)
+            sandbox_id, "list_dir", lambda b, s: b.list_dir(s, path, **kw), path, read=True)
 
-    async def stat(self, sandbox_id: str, path: str) -> FileInfo:
+    async def stat(self, sandbox_id: str, path: str, *, user: str | None = None) -> FileInfo:
+        kw = self._as_user(sandbox_id, user)
         return await self._file_op(
-            sandbox_id, "stat", lambda b, s: b.stat(s, path), path, read=True)
+            sandbox_id, "stat", lambda b, s: b.stat(s, path, **kw), path, read=True)
 
-    async def mkdir(self, sandbox_id: str, path: str, *, parents: bool = True) -> None:
-        await self._file_op(sandbox_id, "mkdir", lambda b, s: b.mkdir(s, path, parents=parents),
-                            path)
+    async def mkdir(self, sandbox_id: str, path: str, *, parents: bool = True,
+                    user: str | None = None) -> None:
+        kw = self._as_user(sandbox_id, user)
+        await self._file_op(sandbox_id, "mkdir",
+                            lambda b, s: b.mkdir(s, path, parents=parents, **kw), path)
 
-    async def remove(self, sandbox_id: str, path: str, *, recursive: bool = False) -> None:
+    async def remove(self, sandbox_id: str, path: str, *, recursive: bool = False,
+                     user: str | None = None) -> None:
+        kw = self._as_user(sandbox_id, user)
         await self._file_op(sandbox_id, "remove",
-                            lambda b, s: b.remove(s, path, recursive=recursive), path)
+                            lambda b, s: b.remove(s, path, recursive=recursive, **kw), path)
 
     # ---------------------------------------------- streams, rename, watch (issue 19)
     async def _readable(self, rec: _Sandbox, op: str) -> None:
@@ -1754,24 +1783,27 @@ class EdgeNode:
     async def file_read_stream(self, b: ReadStream, stream: DuplexStream) -> FileInfo:
         """Send the file's bytes on ``stream`` (under the caller's credit), half-close,
         answer the file as it was opened."""
+        kw = self._as_user(b.id, b.user)
         async with self._file_stream(b.id, "read", read=True) as (rec, backend):
             info = await backend.read_stream(SandboxId(rec.id), b.path, b.offset, b.length,
-                                             stream.send)
+                                             stream.send, **kw)
             stream.close_write()
             return info
 
     async def file_write_stream(self, b: WriteStream, stream: DuplexStream) -> FileInfo:
         """Replace the file with the bytes the caller sends until its FIN (atomically)."""
+        kw = self._as_user(b.id, b.user)
         async with self._file_stream(b.id, "write", read=False) as (rec, backend):
             return await backend.write_stream(SandboxId(rec.id), b.path, b.mode, b.size,
-                                              aiter(stream))
+                                              aiter(stream), **kw)
 
     async def file_rename(self, b: Rename) -> FileInfo:
         check_path(b.dst, field="dst")
+        kw = self._as_user(b.id, b.user)
         return await self._file_op(
             b.id, "rename",
             lambda be, s: self._streams(self._find(b.id)).rename_file(
-                s, b.src, b.dst, b.overwrite), b.src)
+                s, b.src, b.dst, b.overwrite, **kw), b.src)
 
     async def file_watch(self, b: Watch, send: Callable[[FileEvent], Awaitable[None]]
                          ) -> str:

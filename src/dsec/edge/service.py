@@ -201,22 +201,24 @@ class EdgeHandlers:
 
     # ---------------------------------------------------------------- files
     async def read_file(self, b: ReadFile) -> bytes:
-        return await self.node.read_file(b.id, b.path, offset=b.offset, length=b.length)
+        return await self.node.read_file(b.id, b.path, offset=b.offset, length=b.length,
+                                         user=b.user)
 
     async def write_file(self, b: WriteFile) -> None:
-        await self.node.write_file(b.id, b.path, b.data, mode=b.mode, append=b.append)
+        await self.node.write_file(b.id, b.path, b.data, mode=b.mode, append=b.append,
+                                   user=b.user)
 
     async def list_dir(self, b: FileRef) -> FileList:
-        return FileList(items=await self.node.list_dir(b.id, b.path))
+        return FileList(items=await self.node.list_dir(b.id, b.path, user=b.user))
 
     async def stat(self, b: FileRef) -> FileInfo:
-        return await self.node.stat(b.id, b.path)
+        return await self.node.stat(b.id, b.path, user=b.user)
 
     async def mkdir(self, b: Mkdir) -> None:
-        await self.node.mkdir(b.id, b.path, parents=b.parents)
+        await self.node.mkdir(b.id, b.path, parents=b.parents, user=b.user)
 
     async def remove(self, b: Remove) -> None:
-        await self.node.remove(b.id, b.path, recursive=b.recursive)
+        await self.node.remove(b.id, b.path, recursive=b.recursive, user=b.user)
 
     # ---------------------------------------------------- streams, rename, watch (issue 19)
     async def file_read_stream(self, b: ReadStream, stream: DuplexStream) -> FileInfo:

@@ -25,6 +25,7 @@ from dsec.wire.spec import (
     SandboxSpec,
     SandboxState,
     check_batch,
+    check_file_user,
     check_id,
     check_idempotency_key,
     check_isolation,
@@ -355,8 +356,11 @@ class ReadFile(_Call, kw_only=True):
     path: str
     offset: int = 0
     length: int | None = None
+    # the sandbox user the call runs as (its rights, checked by the kernel); None: root
+    user: str | None = None
 
     def __post_init__(self) -> None:
+        check_file_user(self.user)
         check_id(self.id)
         check_path(self.path)
         check_read_range(self.offset, self.length)
@@ -370,8 +374,11 @@ class WriteFile(_Call, kw_only=True):
     data: bytes
     mode: int = 0o644
     append: bool = False
+    # the sandbox user the call runs as (its rights, checked by the kernel); None: root
+    user: str | None = None
 
     def __post_init__(self) -> None:
+        check_file_user(self.user)
         check_id(self.id)
         check_path(self.path)
         check_mode(self.mode)
@@ -382,8 +389,11 @@ class FileRef(_Call, kw_only=True):
 
     id: str
     path: str
+    # the sandbox user the call runs as (its rights, checked by the kernel); None: root
+    user: str | None = None
 
     def __post_init__(self) -> None:
+        check_file_user(self.user)
         check_id(self.id)
         check_path(self.path)
 
@@ -394,8 +404,11 @@ class Mkdir(_Call, kw_only=True):
     id: str
     path: str
     parents: bool = True
+    # the sandbox user the call runs as (its rights, checked by the kernel); None: root
+    user: str | None = None
 
     def __post_init__(self) -> None:
+        check_file_user(self.user)
         check_id(self.id)
         check_path(self.path)
 
@@ -406,8 +419,11 @@ class Remove(_Call, kw_only=True):
     id: str
     path: str
     recursive: bool = False
+    # the sandbox user the call runs as (its rights, checked by the kernel); None: root
+    user: str | None = None
 
     def __post_init__(self) -> None:
+        check_file_user(self.user)
         check_id(self.id)
         check_path(self.path)
 

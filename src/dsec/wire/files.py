@@ -26,7 +26,7 @@ import msgspec
 
 from dsec.errors import InvalidArgument
 from dsec.wire.calls import _Call
-from dsec.wire.spec import check_id, check_mode, check_path
+from dsec.wire.spec import check_file_user, check_id, check_mode, check_path
 
 __all__ = [
     "FILE_EVENT_TYPES",
@@ -65,8 +65,11 @@ class ReadStream(_Call, kw_only=True):
     path: str
     offset: int = 0
     length: int | None = None
+    # the sandbox user the call runs as (its rights, checked by the kernel); None: root
+    user: str | None = None
 
     def __post_init__(self) -> None:
+        check_file_user(self.user)
         check_id(self.id)
         check_path(self.path)
         if self.offset < 0 or (self.length is not None and self.length < 0):
@@ -85,8 +88,11 @@ class WriteStream(_Call, kw_only=True):
     path: str
     mode: int = 0o644
     size: int | None = None
+    # the sandbox user the call runs as (its rights, checked by the kernel); None: root
+    user: str | None = None
 
     def __post_init__(self) -> None:
+        check_file_user(self.user)
         check_id(self.id)
         check_path(self.path)
         check_mode(self.mode)
@@ -104,8 +110,11 @@ class Rename(_Call, kw_only=True):
     src: str
     dst: str
     overwrite: bool = False
+    # the sandbox user the call runs as (its rights, checked by the kernel); None: root
+    user: str | None = None
 
     def __post_init__(self) -> None:
+        check_file_user(self.user)
         check_id(self.id)
         check_path(self.src, field="src")
         check_path(self.dst, field="dst")

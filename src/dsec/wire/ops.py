@@ -495,7 +495,7 @@ READ_FILE: Op[ReadFile, bytes] = Op(
     "read_file", ReadFile, bytes, summary="Read a file (raw bytes)",
     role="reader", target="sandbox", idempotent=True, doors=ALL_DOORS,
     rest=Rest(method="GET", path="/v1/sandboxes/{id}/files", operation_id="readFile",
-              query=_q("path", "offset", "length"), reply="raw"))
+              query=_q("path", "offset", "length", "user"), reply="raw"))
 
 WRITE_FILE: Op[WriteFile, None] = Op(
     "write_file", WriteFile, None,
@@ -503,33 +503,33 @@ WRITE_FILE: Op[WriteFile, None] = Op(
     # the first piece truncates: the SDK retries only pieces that do not append
     role="member", target="sandbox", idempotent=False, doors=ALL_DOORS,
     rest=Rest(method="PUT", path="/v1/sandboxes/{id}/files", operation_id="writeFile",
-              query=_q("path", "mode", "append"), body="data", body_limit="file",
+              query=_q("path", "mode", "append", "user"), body="data", body_limit="file",
               status=204, reply="empty"))
 
 LIST_DIR: Op[FileRef, FileList] = Op(
     "list_dir", FileRef, FileList, summary="List a directory",
     role="reader", target="sandbox", idempotent=True, doors=ALL_DOORS,
     rest=Rest(method="GET", path="/v1/sandboxes/{id}/files/list", operation_id="listFiles",
-              query=_q("path")))
+              query=_q("path", "user")))
 
 STAT: Op[FileRef, FileInfo] = Op(
     "stat", FileRef, FileInfo, summary="Stat a path",
     role="reader", target="sandbox", idempotent=True, doors=ALL_DOORS,
     rest=Rest(method="GET", path="/v1/sandboxes/{id}/files/stat", operation_id="statFile",
-              query=_q("path")))
+              query=_q("path", "user")))
 
 MKDIR: Op[Mkdir, None] = Op(
     "mkdir", Mkdir, None, summary="Create a directory",
     role="member", target="sandbox", idempotent=True, doors=ALL_DOORS,
     rest=Rest(method="POST", path="/v1/sandboxes/{id}/files/mkdir", operation_id="mkdir",
-              query=_q("path", "parents"), status=204, reply="empty"))
+              query=_q("path", "parents", "user"), status=204, reply="empty"))
 
 REMOVE: Op[Remove, None] = Op(
     "remove", Remove, None, summary="Remove a file or directory",
     # a repeat after success answers NotFound: not idempotent, so never retried blindly
     role="member", target="sandbox", idempotent=False, doors=ALL_DOORS,
     rest=Rest(method="DELETE", path="/v1/sandboxes/{id}/files", operation_id="removeFile",
-              query=_q("path", "recursive"), status=204, reply="empty"))
+              query=_q("path", "recursive", "user"), status=204, reply="empty"))
 
 PAUSE: Op[SandboxRef, PauseStats] = Op(
     "pause", SandboxRef, PauseStats, summary="Pause (freeze, give memory back)",
@@ -978,7 +978,7 @@ FILE_READ_STREAM: TunnelOp[ReadStream, FileInfo] = TunnelOp(
     summary="Read a file of any size as a byte stream (the reply: the file as opened)",
     role="reader", target="sandbox", idempotent=True, doors=ALL_DOORS,
     rest=Rest(method="GET", path="/v1/sandboxes/{id}/files/content",
-              operation_id="readFileStream", query=_q("path", "offset", "length"),
+              operation_id="readFileStream", query=_q("path", "offset", "length", "user"),
               reply="raw"))
 
 FILE_WRITE_STREAM: TunnelOp[WriteStream, FileInfo] = TunnelOp(
@@ -988,7 +988,7 @@ FILE_WRITE_STREAM: TunnelOp[WriteStream, FileInfo] = TunnelOp(
     # the whole content each time: repeating it leaves the same file
     role="member", target="sandbox", idempotent=True, doors=ALL_DOORS,
     rest=Rest(method="PUT", path="/v1/sandboxes/{id}/files/content",
-              operation_id="writeFileStream", query=_q("path", "mode", "size")))
+              operation_id="writeFileStream", query=_q("path", "mode", "size", "user")))
 
 FILE_RENAME: Op[Rename, FileInfo] = Op(
     "file_rename", Rename, FileInfo,

@@ -278,6 +278,20 @@ def _encodes(text: str) -> bool:
     return True
 
 
+_FILE_USER = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,31}(:[0-9]{1,10})?$")
+
+
+def check_file_user(user: object) -> str | None:
+    """Validate the ``user`` of a file call (the sandbox user it runs as: a name or uid,
+    optionally ``:gid``; None: the edge's own identity, root). Returns ``user``."""
+    if user is None:
+        return None
+    if not isinstance(user, str) or not _FILE_USER.match(user):
+        raise InvalidArgument(f"user {str(user)[:40]!r} is not a user name or uid[:gid] "
+                              "(letters, digits, '_', '.', '-'; at most 32)", field="user")
+    return user
+
+
 def check_path(path: object, *, field: str = "path") -> str:
     """Validate a path of the file API (read, write, list, stat, mkdir, remove): a
     non-empty string of at most ``MAX_PATH_BYTES`` UTF-8 bytes without NUL. The error

@@ -294,6 +294,13 @@ QUERY_DOCS: dict[str, Param] = {p.name: p for p in (
                       "arrives"),
     Param("timeout_s", {"type": "number", "exclusiveMinimum": 0, "maximum": 86400},
           description="end the watch after this many seconds"),
+    # red team 21: file calls as a sandbox user
+    Param("user", {"type": "string", "pattern": r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,31}"
+                                                 r"(:[0-9]{1,10})?$"},
+          description="the sandbox user (name or uid[:gid], from the sandbox's "
+                      "/etc/passwd) the file call runs as: the kernel checks it with "
+                      "that user's rights and what it makes is theirs (container "
+                      "tiers; 400 elsewhere). Absent: root"),
 )}
 
 

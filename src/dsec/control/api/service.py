@@ -1408,7 +1408,7 @@ class ApiService:
         return out
 
     async def read_file(self, principal: Caller, sid: str, path: str, offset: int,
-                        length: int | None) -> bytes:
+                        length: int | None, user: str | None = None) -> bytes:
         check_path(path)
         edge, project = await self._edge_for(principal, sid, "reader")
         key = (str(node_of(sid)), project.partition("/")[0])
@@ -1421,7 +1421,7 @@ class ApiService:
             try:
                 async with gate.sem:
                     return await self._via(edge, sid, "read_file", lambda: edge.read_file(
-                        sid, path, offset=at, length=n))
+                        sid, path, offset=at, length=n, user=user))
             finally:
                 gate.users -= 1
                 if not gate.users:
@@ -1450,7 +1450,7 @@ class ApiService:
         return data
 
     async def write_file(self, principal: Caller, sid: str, path: str, data: bytes,
-                         mode: int, append: bool) -> None:
+                         mode: int, append: bool, user: str | None = None) -> None:
         check_path(path)
         edge, _ = await self._edge_for(principal, sid, "member", wake=True)
         # in pieces that fit an Aether frame (the first one truncates unless appending):
@@ -1459,7 +1459,8 @@ class ApiService:
             chunk = data[at:at + FILE_CHUNK_BYTES]
             more = append or at > 0
             await self._via(edge, sid, "write_file", functools.partial(
-                edge.write_file, sid, path, chunk, mode=mode, append=more), effect=True)
+                edge.write_file, sid, path, chunk, mode=mode, append=more, user=user),
+                effect=True)
 
     async def pause(self, principal: Caller, sid: str) -> PauseStats:
         edge, _ = await self._edge_for(principal, sid, "member")
@@ -2103,10 +2104,10 @@ class ApiService:
                                sent=True) from exc
 
     async def _read_file_op(self, caller: Caller, b: ReadFile) -> bytes:
-        return await self.read_file(caller, b.id, b.path, b.offset, b.length)
+        return await self.read_file(caller, b.id, b.path, b.offset, b.length, b.user)
 
     async def _write_file_op(self, caller: Caller, b: WriteFile) -> None:
-        await self.write_file(caller, b.id, b.path, b.data, b.mode, b.append)
+        await self.write_file(caller, b.id, b.path, b.data, b.mode, b.append, b.user)
 
     async def _pause_op(self, caller: Caller, b: SandboxRef) -> PauseStats:
         return await self.pause(caller, b.id)

@@ -827,52 +827,40 @@ class E2BApp:
                 not isinstance(raw_path, str) or not raw_path):
             raise InvalidArgument("path is required")
         path = str(raw_path)
+        # ``user`` (the SDK's user=): every call below runs AS that user on the edge (its
+        # fsuid/fsgid/groups on the file thread: the kernel checks each step, atomically);
+        # never a check as the user followed by root's act (red team 21, B1 B4 B10 B11)
+        as_ = _file_user(user)
         if method == "Stat":
-            fi = await self._stat(caller, FileRef(id=sandbox, path=path))
+            fi = await self._stat(caller, FileRef(id=sandbox, path=path, user=as_))
             return _json({"entry": mapping.entry_info(fi)})
-        other = _other_user(user)
         if method == "ListDir":
             depth = _int(msg, "depth", 1, "depth") or 1
-            if other:
-                await self._shell(caller, sandbox, _MAY_LIST, [path], user)  # type: ignore[arg-type]
-            entries = await self._walk(caller, sandbox, path, depth)
+            entries = await self._walk(caller, sandbox, path, depth, as_)
             return _json({"entries": entries})
         if method == "MakeDir":
             try:
-                await self._stat(caller, FileRef(id=sandbox, path=path))
+                await self._stat(caller, FileRef(id=sandbox, path=path, user=as_))
             except (NotFound, SandboxNotFound) as exc:
                 if isinstance(exc, SandboxNotFound):
                     raise
             else:
                 return _json(rpc.error_body("already_exists", f"{path} already exists"),
                              409)
-            if _other_user(user):
-                await self._mkdir_as(caller, sandbox, path, user)   # type: ignore[arg-type]
-            else:
-                await self._mkdir(caller, Mkdir(id=sandbox, path=path, parents=True))
-            fi = await self._stat(caller, FileRef(id=sandbox, path=path))
+            await self._mkdir(caller, Mkdir(id=sandbox, path=path, parents=True, user=as_))
+            fi = await self._stat(caller, FileRef(id=sandbox, path=path, user=as_))
             return _json({"entry": mapping.entry_info(fi)})
         if method == "Remove":
-            if other:       # removed by the user: their rights decide
-                await self._stat(caller, FileRef(id=sandbox, path=path))   # NotFound
-                await self._shell(caller, sandbox, 'rm -rf -- "$1"', [path],
-                                  user)  # type: ignore[arg-type]
-                return _json({})
-            await self._remove(caller, Remove(id=sandbox, path=path, recursive=True))
+            await self._remove(caller, Remove(id=sandbox, path=path, recursive=True,
+                                              user=as_))
             return _json({})
         if method == "Move":
             src, dst = msg.get("source"), msg.get("destination")
             if not isinstance(src, str) or not isinstance(dst, str) or not src or not dst:
                 raise InvalidArgument("source and destination are required")
             # envd's Move is a rename(2): it replaces an existing destination
-            if other:       # moved by the user: their rights decide
-                await self._stat(caller, FileRef(id=sandbox, path=src))    # NotFound
-                await self._shell(caller, sandbox, 'mv -f -- "$1" "$2"', [src, dst],
-                                  user)  # type: ignore[arg-type]
-                fi = await self._stat(caller, FileRef(id=sandbox, path=dst))
-                return _json({"entry": mapping.entry_info(fi)})
             fi = await self._rename(caller, Rename(id=sandbox, src=src, dst=dst,
-                                                   overwrite=True))
+                                                   overwrite=True, user=as_))
             return _json({"entry": mapping.entry_info(fi)})
         if method == "WatchDir" and streaming:
             return self._watch_stream(caller, sandbox, path or "/",
@@ -901,14 +889,29 @@ class E2BApp:
         raise _E2BError(501, f"filesystem.Filesystem/{method} is not supported by dsec's "
                              "E2B layer yet (docs/e2b.md, 'Gaps')")
 
-    async def _walk(self, caller: Caller, sandbox: str, path: str,
-                    depth: int) -> list[dict[str, Any]]:
+    async def _walk(self, caller: Caller, sandbox: str, path: str, depth: int,
+                    user: str | None = None) -> list[dict[str, Any]]:
+        """ListDir at ``depth``: each level listed by the edge (as ``user`` when set: a
+        directory below that the user may not list is left out, as envd's walk skips
+        it), at most MAX_WALK_ENTRIES entries in all (one JSON reply), else an error
+        saying so."""
         out: list[dict[str, Any]] = []
         todo = [(path, 1)]
         while todo:
             d, level = todo.pop(0)
-            listing = await self._list_dir(caller, FileRef(id=sandbox, path=d))
+            try:
+                listing = await self._list_dir(caller, FileRef(id=sandbox, path=d,
+                                                                user=user))
+            except PermissionDenied:
+                if level == 1:
+                    raise
+                continue        # the user may not list it: not descended into
             for fi in listing.items:
+                if len(out) >= MAX_WALK_ENTRIES:
+                    raise InvalidArgument(
+                        f"listing {path[:200]!r} at depth {depth} passes "
+                        f"{MAX_WALK_ENTRIES} entries; list with a smaller depth or a "
+                        "deeper path", field="depth", limit=MAX_WALK_ENTRIES)
                 out.append(mapping.entry_info(fi))
                 if fi.type == "dir" and level < depth:
                     todo.append((fi.path, level + 1))
@@ -1104,19 +1107,21 @@ class E2BApp:
         if request.method == "GET":
             if not path:
                 raise _E2BError(400, "query parameter path is required")
-            user = request.scope["dsec.e2b.user"]
-            if _other_user(user):
-                await self._shell(caller, sandbox, _MAY_READ, [path], user)
-            return await self._download(caller, sandbox, path)
+            # read AS the user (their rights, checked by the kernel as the edge opens
+            # it): never a check as them followed by root's read (red team 21, B4)
+            return await self._download(caller, sandbox, path,
+                                        _file_user(request.scope["dsec.e2b.user"]))
         if request.method == "POST":
             return await self._upload(request, caller, sandbox, path)
         raise _E2BError(405, f"{request.method} /files: use GET or POST")
 
-    async def _download(self, caller: Caller, sandbox: str, path: str) -> Response:
+    async def _download(self, caller: Caller, sandbox: str, path: str,
+                        user: str | None = None) -> Response:
         """The file streamed from the sandbox (``file_read_stream``: bounded memory on
-        every hop, whatever the size), its length said up front."""
+        every hop, whatever the size), its length (that of the file as opened) said up
+        front."""
         req, info = await filedoors.sized_read(self.service, caller,
-                                               ReadStream(id=sandbox, path=path))
+                                               ReadStream(id=sandbox, path=path, user=user))
         if info.type == "dir":
             raise _E2BError(400, f"{path} is a directory")
         first, more = await filedoors.read_chunks(self.service, caller, req)
@@ -1220,27 +1225,17 @@ class E2BApp:
         """Stream ``chunks`` into ``path`` (``file_write_stream``: the edge writes a
         temporary file and renames it into place, so a cut upload leaves the old file);
         missing parents are made first, as envd does. ``user`` (the SDK's ``user=``):
-        the parents are made by that user (an exec as them: their rights, their
-        ownership) and the file is then given to them (``chown``, an exec as root)."""
+        the parents and the file are made AS that user on the edge (their fsuid, fsgid
+        and groups: the kernel checks every step and they own what is made), in one
+        call - no check-then-root-write-then-chown (red team 21, B1 B11)."""
         parent = path.rpartition("/")[0]
-        other = _other_user(user)
-        if other:
-            # as the user: make the parents, and may they write the file there?
-            await self._shell(caller, sandbox, _MAY_WRITE, [parent or "/", path],
-                              user)  # type: ignore[arg-type]
-        elif parent:
-            await self._mkdir(caller, Mkdir(id=sandbox, path=parent, parents=True))
-        info = await filedoors.write_chunks(self.service, caller,
-                                            WriteStream(id=sandbox, path=path, size=size),
-                                            chunks)
-        if other:
-            parent_dir, _, base = path.rpartition("/")
-            await self._shell(caller, sandbox, CHOWN_SCRIPT,
-                              [user, parent_dir or "/", base], "root")  # type: ignore[list-item]
+        as_ = _file_user(user)
+        if parent:
+            await self._mkdir(caller, Mkdir(id=sandbox, path=parent, parents=True, user=as_))
+        info = await filedoors.write_chunks(
+            self.service, caller, WriteStream(id=sandbox, path=path, size=size, user=as_),
+            chunks)
         return mapping.write_info(info)
-
-    async def _mkdir_as(self, caller: Caller, sandbox: str, path: str, user: str) -> None:
-        await self._shell(caller, sandbox, 'mkdir -p -- "$1"', [path], user)
 
     async def _shell(self, caller: Caller, sandbox: str, script: str, args: list[str],
                      user: str) -> None:
@@ -1287,29 +1282,15 @@ class E2BApp:
         return StreamingResponse(body(), media_type="application/connect+json")
 
 
-# The file written for ``user=`` becomes the user's (group: theirs), by root, in a
-# directory the user may write to: so the user may race it. The directory is pinned
-# first (cd -P: later swaps of any path component change nothing) and must be the one
-# named, or the user's own (a symlinked directory of theirs); the name must be a plain
-# file with one link (a hard link to a file the user does not own is refused by the
-# kernel anyway: fs.protected_hardlinks=1, checked on the dev VM) and ``chown -h``
-# never follows a symlink. $1 user, $2 directory, $3 file name.
-CHOWN_SCRIPT = (
-    'cd -P -- "$2" || exit 3\n'
-    '[ "$(pwd -P)" = "$2" ] || [ "$(stat -c %u .)" = "$(id -u "$1")" ] || '
-    '{ echo "refused: $2 is not where it was when the file was written" >&2; exit 4; }\n'
-    '[ -f "./$3" ] && [ ! -L "./$3" ] && [ "$(stat -c %h "./$3")" = 1 ] || '
-    '{ echo "refused: $2/$3 is no longer the plain file written" >&2; exit 4; }\n'
-    'g=$(id -g "$1" 2>/dev/null) && chown -h "$1:$g" "./$3" || chown -h "$1" "./$3"\n')
-_MAY_WRITE = ('mkdir -p -- "$1" && [ -w "$1" ] && { [ ! -e "$2" ] || [ -w "$2" ]; } || '
-              '{ echo "permission denied: cannot write $2" >&2; exit 1; }')
-# as the user: may they read the file / list the directory? (a missing path passes:
-# the read or list that follows answers not found, as for anyone)
-_MAY_READ = ('[ ! -e "$1" ] || [ -r "$1" ] || '
-             '{ echo "permission denied: cannot read $1" >&2; exit 1; }')
-_MAY_LIST = ('[ ! -e "$1" ] || { [ -r "$1" ] && [ -x "$1" ]; } || '
-             '{ echo "permission denied: cannot list $1" >&2; exit 1; }')
+# ListDir's whole answer (every level of a depth walk) is one JSON reply: bounded.
+MAX_WALK_ENTRIES = 65536
 _USER = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,31}$")
+
+
+def _file_user(user: str | None) -> str | None:
+    """The ``user`` of the file calls made for ``user``: None for root (the edge's own
+    identity), else the name (checked)."""
+    return user if _other_user(user) else None
 
 
 def _other_user(user: str | None) -> bool:

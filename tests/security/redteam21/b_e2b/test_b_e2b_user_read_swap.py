@@ -24,20 +24,28 @@ SECRET = "hidden-answer-42\n"
 
 def test_user_read_never_returns_what_the_user_may_not_read(
         e2b_target: E2BTarget, monkeypatch: pytest.MonkeyPatch) -> None:
-    from dsec.control.e2b import app as e2bapp
+    from dsec.control import filedoors
+    from dsec.wire import ops
+    from dsec.wire.calls import ExecCall
+    from dsec.wire.spec import ExecRequest
     from e2b import Sandbox
 
-    real_shell = e2bapp.E2BApp._shell
+    # The agent wins the race right before the read: the hook sits on the read itself
+    # (filedoors.sized_read), which came after the user check in the code this repro was
+    # written against, and is the first step now (fxuser: the read runs as the user on
+    # the edge; there is no check left to race after).
+    real_read = filedoors.sized_read
     swapped: list[str] = []
 
-    async def shell(self, caller, sandbox, script, args, user):  # type: ignore[no-untyped-def]
-        await real_shell(self, caller, sandbox, script, args, user)
-        if script == e2bapp._MAY_READ and not swapped:
-            swapped.append(args[0])     # the agent (uid "user") wins the race
-            await real_shell(self, caller, sandbox, 'ln -sf /root/answer "$1"', [args[0]],
-                             "user")
+    async def sized_read(service, caller, req):  # type: ignore[no-untyped-def]
+        if req.path == "/tmp/w/out.txt" and not swapped:
+            swapped.append(req.path)     # the agent (uid "user") wins the race
+            await service.handler(ops.EXEC)(caller, ExecCall(id=req.id, req=ExecRequest(
+                argv=("/bin/sh", "-c", 'ln -sf /root/answer "$1"', "sh", req.path),
+                user="user", timeout_s=30.0)))
+        return await real_read(service, caller, req)
 
-    monkeypatch.setattr(e2bapp.E2BApp, "_shell", shell)
+    monkeypatch.setattr(filedoors, "sized_read", sized_read)
     sb = Sandbox.create(e2b_target.template, timeout=120, **e2b_target.opts())
     try:
         sb.files.write("/root/answer", SECRET, user="root")

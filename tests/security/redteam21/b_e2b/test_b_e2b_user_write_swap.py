@@ -21,21 +21,29 @@ pytestmark = pytest.mark.root
 
 def test_user_write_into_a_swapped_directory_writes_nothing_as_root(
         e2b_target: E2BTarget, monkeypatch: pytest.MonkeyPatch) -> None:
-    from dsec.control.e2b import app as e2bapp
+    from dsec.control import filedoors
+    from dsec.wire import ops
+    from dsec.wire.calls import ExecCall
+    from dsec.wire.spec import ExecRequest
     from e2b import Sandbox
 
-    real_shell = e2bapp.E2BApp._shell
+    # The agent wins the race right before root's (now: the user's) write: the hook sits
+    # on the write itself (filedoors.write_chunks), which came after the user check in
+    # the code this repro was written against, and is the only step now (fxuser: the
+    # write runs as the user on the edge; there is no check left to race after).
+    real_write = filedoors.write_chunks
     swapped: list[str] = []
 
-    async def shell(self, caller, sandbox, script, args, user):  # type: ignore[no-untyped-def]
-        await real_shell(self, caller, sandbox, script, args, user)
-        if script == e2bapp._MAY_WRITE and not swapped:
+    async def write_chunks(service, caller, req, chunks):  # type: ignore[no-untyped-def]
+        if req.path == "/tmp/u/d/passwd" and not swapped:
             # the agent (uid "user") wins the race: its directory becomes a symlink
-            swapped.append(args[0])
-            await real_shell(self, caller, sandbox,
-                             'mv -- "$1" "$1.real" && ln -s /etc "$1"', [args[0]], "user")
+            swapped.append("/tmp/u/d")
+            await service.handler(ops.EXEC)(caller, ExecCall(id=req.id, req=ExecRequest(
+                argv=("/bin/sh", "-c", 'mv -- "$1" "$1.real" && ln -s /etc "$1"', "sh",
+                      "/tmp/u/d"), user="user", timeout_s=30.0)))
+        return await real_write(service, caller, req, chunks)
 
-    monkeypatch.setattr(e2bapp.E2BApp, "_shell", shell)
+    monkeypatch.setattr(filedoors, "write_chunks", write_chunks)
     sb = Sandbox.create(e2b_target.template, timeout=120, **e2b_target.opts())
     try:
         sb.commands.run("mkdir -p /tmp/u/d && chown -R user /tmp/u", user="root")

@@ -2044,7 +2044,13 @@ class ContainerBackend:
             raise BackendError(f"sandbox {sid} is not running (its init is gone): {exc}"
                                ) from exc
 
-    async def _file_op(self, sid: str, op: Callable[[SandboxFiles], _T]) -> _T:
+    # File operations may run as a sandbox user (``user=``): this backend does them with
+    # that user's fsuid/fsgid/groups on the file thread (linux.fs_creds), so the kernel
+    # checks them, atomically (docs/sdk.md, "Files as a user").
+    FILES_AS_USER = True
+
+    async def _file_op(self, sid: str, op: Callable[[SandboxFiles], _T],
+                       user: str | None = None) -> _T:
         """Run ``op`` on the sandbox's files beside the event loop, in the backend's file
         threads. A sandbox decides how big its trees are, so a walk on the loop (a
         recursive remove or a listing of hundreds of thousands of files: tens of seconds
@@ -2056,7 +2062,10 @@ class ContainerBackend:
 
         def work() -> _T:
             with files:
-                return op(files)
+                creds = files.user_creds(user) if user else None
+                files.as_user = user if creds is not None else None
+                with linux.fs_creds(creds):
+                    return op(files)
 
         if self._file_pool is None:
             self._file_pool = concurrent.futures.ThreadPoolExecutor(
@@ -2071,13 +2080,14 @@ class ContainerBackend:
         return await fut
 
     async def read_file(self, sid: SandboxId, path: str, *, offset: int = 0,
-                        length: int | None = None) -> bytes:
-        return await self._file_op(sid, lambda f: f.read(path, offset, length))
+                        length: int | None = None, user: str | None = None) -> bytes:
+        return await self._file_op(sid, lambda f: f.read(path, offset, length), user)
 
     async def write_file(self, sid: SandboxId, path: str, data: bytes, *, mode: int = 0o644,
-                         append: bool = False) -> None:
+                         append: bool = False, user: str | None = None) -> None:
         try:
-            await self._file_op(sid, lambda f: f.write(path, data, mode=mode, append=append))
+            await self._file_op(sid, lambda f: f.write(path, data, mode=mode, append=append),
+                                user)
         except SandboxError as exc:
             cause = exc.__cause__
             if not (isinstance(cause, OSError)
@@ -2106,21 +2116,40 @@ class ContainerBackend:
         fut.add_done_callback(self._file_ops.discard)
         return await fut
 
+    async def _run_as(self, files: SandboxFiles, user: str | None
+                      ) -> Callable[[Callable[[], _T]], Awaitable[_T]]:
+        """The file-thread runner of a streamed operation: each step as ``user`` (their
+        identity taken and given back around every hop), or as the edge."""
+        if not user:
+            return self._in_pool
+        creds = await self._in_pool(lambda: files.user_creds(user))
+        files.as_user = user if creds is not None else None
+
+        def step(fn: Callable[[], _T]) -> Awaitable[_T]:
+            def work() -> _T:
+                with linux.fs_creds(creds):
+                    return fn()
+            return self._in_pool(work)
+        return step
+
     async def read_stream(self, sid: SandboxId, path: str, offset: int, length: int | None,
-                          sink: Callable[[bytes], Awaitable[None]]) -> FileInfo:
+                          sink: Callable[[bytes], Awaitable[None]], *,
+                          user: str | None = None) -> FileInfo:
         with self._files(sid) as files:
             return await filestream.read_stream(files, path, offset, length, sink,
-                                                self._in_pool)
+                                                await self._run_as(files, user))
 
     async def write_stream(self, sid: SandboxId, path: str, mode: int, size: int | None,
-                           source: AsyncIterator[bytes]) -> FileInfo:
+                           source: AsyncIterator[bytes], *,
+                           user: str | None = None) -> FileInfo:
         with self._files(sid) as files:
             return await filestream.write_stream(files, path, mode, size, source,
-                                                 self._in_pool)
+                                                 await self._run_as(files, user))
 
     async def rename_file(self, sid: SandboxId, src: str, dst: str,
-                          overwrite: bool) -> FileInfo:
-        return await self._file_op(sid, lambda f: f.rename(src, dst, overwrite=overwrite))
+                          overwrite: bool, *, user: str | None = None) -> FileInfo:
+        return await self._file_op(sid, lambda f: f.rename(src, dst, overwrite=overwrite),
+                                   user)
 
     async def watch_files(self, sid: SandboxId, path: str,
                           recursive: bool) -> AsyncIterator[FileEvent]:
@@ -2128,17 +2157,20 @@ class ContainerBackend:
             async for ev in filestream.watch(files, path, recursive, self._in_pool):
                 yield ev
 
-    async def list_dir(self, sid: SandboxId, path: str) -> list[FileInfo]:
-        return await self._file_op(sid, lambda f: f.list(path))
+    async def list_dir(self, sid: SandboxId, path: str, *,
+                       user: str | None = None) -> list[FileInfo]:
+        return await self._file_op(sid, lambda f: f.list(path), user)
 
-    async def stat(self, sid: SandboxId, path: str) -> FileInfo:
-        return await self._file_op(sid, lambda f: f.stat(path))
+    async def stat(self, sid: SandboxId, path: str, *, user: str | None = None) -> FileInfo:
+        return await self._file_op(sid, lambda f: f.stat(path), user)
 
-    async def mkdir(self, sid: SandboxId, path: str, *, parents: bool = True) -> None:
-        await self._file_op(sid, lambda f: f.mkdir(path, parents=parents))
+    async def mkdir(self, sid: SandboxId, path: str, *, parents: bool = True,
+                    user: str | None = None) -> None:
+        await self._file_op(sid, lambda f: f.mkdir(path, parents=parents), user)
 
-    async def remove(self, sid: SandboxId, path: str, *, recursive: bool = False) -> None:
-        await self._file_op(sid, lambda f: f.remove(path, recursive=recursive))
+    async def remove(self, sid: SandboxId, path: str, *, recursive: bool = False,
+                     user: str | None = None) -> None:
+        await self._file_op(sid, lambda f: f.remove(path, recursive=recursive), user)
 
     # -- pause / resume / stats ----------------------------------------------------------
     async def pause(self, sid: SandboxId) -> PauseStats:

@@ -43,7 +43,14 @@ from typing import NoReturn, Self
 
 from dsec.edge.backends.container import linux
 from dsec.edge.filestream import TEMP_PREFIX, hold_temp, release_temp
-from dsec.errors import InvalidArgument, NotFound, PayloadTooLarge, QuotaExceeded, SandboxError
+from dsec.errors import (
+    InvalidArgument,
+    NotFound,
+    PayloadTooLarge,
+    PermissionDenied,
+    QuotaExceeded,
+    SandboxError,
+)
 from dsec.rmtree import remove_tree_at
 from dsec.wire.spec import FileInfo, FileType
 
@@ -72,6 +79,17 @@ def split_path(path: str) -> tuple[str, str]:
     if norm.startswith("//"):
         norm = norm[1:]
     return posixpath.dirname(norm), posixpath.basename(norm)
+
+
+# The sandbox's /etc/passwd and /etc/group are hostile input: read capped.
+USERDB_MAX_BYTES = 1 << 20
+
+
+def _id_map(path: str) -> tuple[tuple[int, int, int], ...]:
+    """A /proc/<pid>/{uid,gid}_map (the kernel's text): (inside, host, count) rows."""
+    with open(path) as f:
+        rows = [tuple(int(x) for x in line.split()) for line in f if line.strip()]
+    return tuple((r[0], r[1], r[2]) for r in rows if len(r) == 3)
 
 
 # TEMP_PREFIX (imported above): the temporary files of streamed writes, defined in
@@ -127,6 +145,12 @@ class ChargedWriter:
     path) 0.72-0.80 ms both. Only tmpfs targets pay it."""
 
     def __init__(self, out_fd: int, home: MemoryHome) -> None:
+        # the helper and its cgroup are the edge's bookkeeping, not the user's: made as
+        # root even inside an operation run as a sandbox user (the fd is opened already)
+        with linux.as_root():
+            self._start(out_fd, home)
+
+    def _start(self, out_fd: int, home: MemoryHome) -> None:
         r, w = os.pipe2(os.O_CLOEXEC)
         try:
             self.proc = subprocess.Popen(
@@ -204,7 +228,8 @@ class ChargedWriter:
         if self.undo is not None:
             undo, self.undo = self.undo, None
             try:
-                undo()
+                with linux.as_root():
+                    undo()
             except OSError:
                 pass
 
@@ -220,7 +245,8 @@ def _check_memory(home: MemoryHome | None, sid: str, path: str, size: int,
     anything changed: written anyway, it would OOM-kill the sandbox's processes."""
     if home is None or size <= freed:
         return
-    room, limit = home.room()
+    with linux.as_root():           # the edge's bookkeeping (cgroup files)
+        room, limit = home.room()
     if size - freed > room:
         raise QuotaExceeded(
             f"write {path[:200]!r} ({size} bytes) in sandbox {sid} refused: it is on a "
@@ -254,8 +280,75 @@ class SandboxFiles:
         self.owner = owner
         self.disk_room = disk_room
         self.memory = memory
+        # the sandbox's user namespace maps (inside, host, count), None: identity
+        self.id_maps: tuple[tuple[tuple[int, int, int], ...],
+                            tuple[tuple[int, int, int], ...]] | None = None
+        # the sandbox user an operation runs as (:meth:`user_creds`), None: the edge
+        # (root); files and directories it makes are that user's, never given to ``owner``
+        self.as_user: str | None = None
+
+    def user_creds(self, user: str) -> linux.FsCreds | None:
+        """The host file identity of sandbox user ``user`` (a name or a uid, optionally
+        ``:gid``), looked up in the sandbox's own /etc/passwd and /etc/group (read as
+        hostile input: confined, regular files, at most PASSWD_MAX_BYTES) and mapped
+        through its user namespace; None for uid 0 (root: the edge's own identity).
+        Operations run with it (:func:`linux.fs_creds`) are checked by the kernel as
+        that user, atomically - nothing here decides what the user may do."""
+        name, _, group = user.partition(":")
+        if not name or (group and not group.isdigit()):
+            raise InvalidArgument(f"user {user[:40]!r} must be a name or uid "
+                                  "(optionally ':gid')", field="user")
+        uid = gid = int(name) if name.isdigit() else -1
+        pname = name
+        try:
+            passwd = self.read("/etc/passwd", 0, USERDB_MAX_BYTES)
+        except (NotFound, InvalidArgument):
+            passwd = b""
+        for line in passwd.decode(errors="replace").splitlines():
+            f = line.split(":")
+            if len(f) < 4 or not f[2].isdigit() or not f[3].isdigit():
+                continue
+            if (name.isdigit() and f[2] == name) or f[0] == name:
+                uid, gid, pname = int(f[2]), int(f[3]), f[0]
+                break
+        if uid < 0:
+            raise InvalidArgument(f"unknown user {name[:64]!r} in sandbox {self.sid}'s "
+                                  "/etc/passwd", field="user")
+        if group:
+            gid = int(group)
+        if uid == 0:
+            return None
+        groups = {gid}
+        try:
+            grp = self.read("/etc/group", 0, USERDB_MAX_BYTES)
+        except (NotFound, InvalidArgument):
+            grp = b""
+        for line in grp.decode(errors="replace").splitlines():
+            f = line.split(":")
+            if len(f) >= 4 and f[2].isdigit() and pname in f[3].split(","):
+                groups.add(int(f[2]))
+                if len(groups) >= linux.MAX_FS_GROUPS:
+                    break
+        hu, hg = self._host_id(uid, 0), self._host_id(gid, 1)
+        if hu is None or hg is None:
+            raise InvalidArgument(f"user {user[:40]!r} (uid {uid}, gid {gid}) is not mapped "
+                                  f"in sandbox {self.sid}'s user namespace", field="user")
+        host_groups = [h for g in sorted(groups) if (h := self._host_id(g, 1)) is not None]
+        if hu == 0:
+            return None
+        return linux.FsCreds(hu, hg, tuple(host_groups))
+
+    def _host_id(self, inside: int, which: int) -> int | None:
+        if self.id_maps is None:
+            return inside
+        for lo, host, count in self.id_maps[which]:
+            if lo <= inside < lo + count:
+                return host + inside - lo
+        return None
 
     def _own(self, fd: int) -> None:
+        if self.as_user:
+            return
         if self.owner is not None and os.fstat(fd).st_uid == 0:
             os.fchown(fd, self.owner, self.owner)
 
@@ -267,8 +360,16 @@ class SandboxFiles:
         it). The pidfd check first makes sure ``/proc/<pid>`` is still that process.
         Close with :meth:`close` (or use as a context manager)."""
         linux.pidfd_send_signal(pidfd, 0)
-        return cls(os.open(f"/proc/{pid}/root", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC),
-                   sid, owner=owner, disk_room=disk_room, memory=memory)
+        files = cls(os.open(f"/proc/{pid}/root", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC),
+                    sid, owner=owner, disk_room=disk_room, memory=memory)
+        if owner is not None:
+            try:
+                files.id_maps = (_id_map(f"/proc/{pid}/uid_map"),
+                                 _id_map(f"/proc/{pid}/gid_map"))
+            except BaseException:
+                files.close()
+                raise
+        return files
 
     def close(self) -> None:
         if self.root_fd >= 0:
@@ -282,6 +383,10 @@ class SandboxFiles:
         self.close()
 
     def _err(self, exc: OSError, what: str, path: str) -> Exception:
+        if self.as_user and exc.errno in (errno.EACCES, errno.EPERM):
+            return PermissionDenied(f"{what} {path!r} in sandbox {self.sid} as user "
+                                    f"{self.as_user!r}: {exc.strerror}", path=path,
+                                    user=self.as_user)
         if isinstance(exc, FileNotFoundError):
             return NotFound(f"{what} {path!r} in sandbox {self.sid}: no such file or directory",
                             path=path)
@@ -438,7 +543,8 @@ class SandboxFiles:
                 os.close(fd)
         if fs != OVERLAYFS_SUPER_MAGIC:
             return
-        room, limit = self.disk_room()
+        with linux.as_root():       # the edge's bookkeeping (host paths), not the user's
+            room, limit = self.disk_room()
         if size > room:
             raise QuotaExceeded(
                 f"write {path[:200]!r} ({size} bytes) in sandbox {self.sid} refused: "
@@ -521,7 +627,7 @@ class SandboxFiles:
             pfd = self._parent("/" + "/".join(parts[:i]), path, "mkdir")
             try:
                 os.mkdir(parts[i], 0o755, dir_fd=pfd)
-                if self.owner is not None:
+                if self.owner is not None and not self.as_user:
                     os.chown(parts[i], self.owner, self.owner, dir_fd=pfd,
                              follow_symlinks=False)
             except FileExistsError:

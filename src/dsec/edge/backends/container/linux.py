@@ -36,7 +36,11 @@ __all__ = [
     "MS_REMOUNT",
     "RESOLVE_IN_ROOT",
     "RESOLVE_NO_MAGICLINKS",
+    "FsCreds",
+    "as_root",
+    "current_fs_creds",
     "drop_capabilities",
+    "fs_creds",
     "fstatfs_type",
     "load_seccomp",
     "mount",
@@ -46,6 +50,7 @@ __all__ = [
     "pidfd_send_signal",
     "pivot_root",
     "remount",
+    "set_fs_creds",
     "set_no_new_privs",
     "sethostname",
     "setns",
@@ -313,3 +318,109 @@ def open_init_pidfd(pid: int, start: int) -> int:
         os.close(fd)
         raise
     return fd
+
+
+# ---------------------------------------------------------------- per-thread fs creds
+# x86_64 numbers (the module's convention); setgroups MUST be the raw syscall: glibc's
+# setgroups() wrapper broadcasts the change to every thread of the process (nptl's
+# setxid), which would hand the user's groups to the edge's other threads.
+_SYS_SETGROUPS = 116
+_SYS_SETFSUID = 122
+_SYS_SETFSGID = 123
+MAX_FS_GROUPS = 256
+
+
+class FsCreds:
+    """A file-system identity for one thread: fsuid, fsgid and supplementary groups
+    (host ids, i.e. already mapped through the sandbox's user namespace)."""
+
+    __slots__ = ("gid", "groups", "uid")
+
+    def __init__(self, uid: int, gid: int, groups: tuple[int, ...] = ()) -> None:
+        self.uid, self.gid, self.groups = uid, gid, tuple(groups)[:MAX_FS_GROUPS]
+
+    def __repr__(self) -> str:
+        return f"FsCreds(uid={self.uid}, gid={self.gid}, groups={self.groups})"
+
+
+def _fsid(nr: int, value: int) -> int:
+    """setfsuid/setfsgid(2): answers the previous id (they never fail visibly)."""
+    return int(_syscall(ctypes.c_long(nr), ctypes.c_uint(value & 0xFFFFFFFF))) & 0xFFFFFFFF
+
+
+def _setgroups(groups: tuple[int, ...]) -> None:
+    arr = (ctypes.c_uint * max(1, len(groups)))(*groups)
+    _check(int(_syscall(ctypes.c_long(_SYS_SETGROUPS), ctypes.c_size_t(len(groups)), arr)),
+           "setgroups")
+
+
+def current_fs_creds() -> FsCreds:
+    """This thread's fsuid, fsgid and groups (setfs*id(-1) changes nothing and answers
+    the current id)."""
+    return FsCreds(_fsid(_SYS_SETFSUID, 0xFFFFFFFF), _fsid(_SYS_SETFSGID, 0xFFFFFFFF),
+                   tuple(os.getgroups()))
+
+
+def set_fs_creds(c: FsCreds) -> None:
+    """Make this thread (only) act on files as ``c``. Groups and fsgid first (changing
+    them needs CAP_SETGID, which a non-zero fsuid does not drop but order keeps it
+    obvious), fsuid last: moving fsuid from 0 to non-zero clears the file capabilities
+    (CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH, CAP_FOWNER, CAP_CHOWN, CAP_FSETID, ...)
+    from the thread's effective set, so the kernel checks every path step, open,
+    create, unlink and rename as that user - atomically, no check-then-act. Moving it
+    back to 0 restores them. Verified after the calls (setfs*id report no errors)."""
+    _setgroups(c.groups)
+    _fsid(_SYS_SETFSGID, c.gid)
+    _fsid(_SYS_SETFSUID, c.uid)
+    now = current_fs_creds()
+    if now.uid != c.uid or now.gid != c.gid:
+        raise OSError(errno.EPERM, f"could not take file identity {c!r} (have {now!r})")
+
+
+class fs_creds:  # a context manager, used like a function
+    """``with fs_creds(c):`` this thread acts on files as ``c`` (None: unchanged), and
+    gets back its own identity after, whatever happens. A thread that cannot get its
+    identity back must not do root's work with a user's: the process aborts (the edge
+    restarts; a half-privileged file thread would be a silent hole)."""
+
+    __slots__ = ("c", "saved")
+
+    def __init__(self, c: FsCreds | None) -> None:
+        self.c = c
+        self.saved: FsCreds | None = None
+
+    def __enter__(self) -> None:
+        if self.c is None:
+            return
+        self.saved = current_fs_creds()
+        try:
+            set_fs_creds(self.c)
+        except BaseException:
+            self._restore()
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        if self.saved is not None:
+            self._restore()
+
+    def _restore(self) -> None:
+        saved, self.saved = self.saved, None
+        assert saved is not None
+        try:
+            _fsid(_SYS_SETFSUID, saved.uid)
+            _fsid(_SYS_SETFSGID, saved.gid)
+            _setgroups(saved.groups)
+            now = current_fs_creds()
+            ok = now.uid == saved.uid and now.gid == saved.gid
+        except BaseException:  # noqa: BLE001 - any failure here ends the process
+            ok = False
+        if not ok:
+            os.write(2, b"dsec: a file thread could not restore its credentials; aborting\n")
+            os.abort()
+
+
+def as_root() -> fs_creds:
+    """Root's file identity for a step inside a user's operation that is the edge's own
+    (its cgroup bookkeeping, a helper's /proc files); a no-op when already root."""
+    cur = _fsid(_SYS_SETFSUID, 0xFFFFFFFF)
+    return fs_creds(None if cur == 0 else FsCreds(0, 0, ()))
