@@ -31,7 +31,7 @@ def test_user_write_with_dotdot_after_a_symlink_stays_where_the_user_may_write(
         before = sb.files.read("/etc/passwd", user="root")
         try:
             sb.files.write("/tmp/u/l/../../../etc/passwd", "pwned\n", user="user")
-        except Exception:
+        except Exception:  # noqa: BLE001, S110 - any refusal will do
             pass
         after = sb.files.read("/etc/passwd", user="root")
         assert after == before, f"root wrote /etc/passwd for user=: {after[:40]!r}"
@@ -56,7 +56,7 @@ def test_user_list_with_dotdot_after_a_symlink_lists_what_the_user_may_list(
         try:
             names = [e.name for e in sb.files.list(
                 "/tmp/u/l/../../../srv/task/hidden-tests", user="user")]
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - any refusal will do
             names = [f"refused: {exc}"]
         assert "expected-42" not in names, f"root-only entries listed for user=: {names}"
     finally:
