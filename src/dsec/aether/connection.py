@@ -836,6 +836,11 @@ class Guard:
     on_established: Callable[[Connection], None]
 
 
+#: late frames (for ended streams) a listener's peer may send per call before it is cut
+#: off; see Connection.limit_late_frames
+LATE_FRAMES_PER_CALL = 1024
+
+
 class Connection:
     """One multiplexed Aether connection.
 
@@ -961,6 +966,9 @@ class Connection:
                 self._read_high = 2 * lim.pending_max_frame
                 high, low = PENDING_WRITE_HIGH, PENDING_WRITE_LOW
                 self._write_high = high
+            # A listener's peer is a stranger: frames for its ended calls (a CANCEL after
+            # the reply, credit after a push ended) are bounded too (see limit_late_frames).
+            self._state.stale_per_call = LATE_FRAMES_PER_CALL
             self._last_rx = self._opened_at = now = self._loop.time()
             if lim.auth_timeout_s is not None:
                 self._arm_watch(now + lim.auth_timeout_s)
@@ -972,7 +980,7 @@ class Connection:
     # ----------------------------------------------------------------- public API
     def limit_late_frames(self, per_call: int) -> None:
         """Close the connection (a logged protocol error) once the peer has sent more than
-        ``per_call`` frames per call of ours (plus one call's worth) for streams that had
+        ``per_call`` frames per call (either side's, plus one) for streams that had
         ended. For a peer that is not trusted to stop (a guest agent): such frames get no
         answer, so nothing else slows it down. Frames for streams never opened close it
         at the first, whatever this says."""

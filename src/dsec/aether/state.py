@@ -116,7 +116,7 @@ class ConnectionState(Generic[S]):
         # kept on each transition (the shell reads it on every call; a property cost more).
         self.can_open = True
         # Frames for streams nothing waits on any more (late replies to calls given up on).
-        # ``stale_per_call`` (None: no bound) caps them at that many per call this side
+        # ``stale_per_call`` (None: no bound) caps them at that many per call either side
         # opened (plus one call's worth): a peer that keeps sending them is past any
         # lateness and closed (a hostile one would cost us a decode per frame forever).
         self.stale = 0
@@ -168,7 +168,7 @@ class ConnectionState(Generic[S]):
         self.stale += 1
         per_call = self.stale_per_call
         if per_call is not None:
-            calls = (self.next_sid - self._first_sid) // 2 + 1
+            calls = (self.next_sid - self._first_sid) // 2 + self.last_peer_sid // 2 + 1
             if self.stale > per_call * calls:
                 raise RemoteProtocolError(
                     f"{self.stale} frames for streams that had ended (the last a {kind} on "
