@@ -469,15 +469,54 @@ async def test_peer_closing_fails_pending_calls(raw_pair: Pair) -> None:
         await task
 
 
-async def test_reply_for_an_unknown_or_abandoned_call_is_dropped(raw_pair: Pair) -> None:
+async def test_reply_for_an_abandoned_call_is_dropped(raw_pair: Pair) -> None:
     conn, peer = raw_pair.conn, raw_pair.peer
-    peer.send(FrameType.RESPONSE, 99, b"\xc0")
-    peer.send(FrameType.STREAM, 97, b"\xc0")
-    peer.send(FrameType.ERROR, 95, b"\xc1")
+    gone = asyncio.ensure_future(conn.call("echo"))
+    _, old, _, _ = await peer.frame()
+    gone.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await gone
+    peer.send(FrameType.RESPONSE, old, b"\xc0")
+    peer.send(FrameType.STREAM, old, b"\xc0")
+    peer.send(FrameType.ERROR, old, b"\xc1")
     task = asyncio.ensure_future(conn.call("echo"))
-    _, sid, _, _ = await peer.frame()
+    _, sid, _, _ = await peer.frame_of(FrameType.REQUEST)
     peer.send(FrameType.RESPONSE, sid, b"\xa2ok")
     assert await task == "ok"
+
+
+@pytest.mark.parametrize("ftype", [FrameType.RESPONSE, FrameType.STREAM, FrameType.ERROR,
+                                   FrameType.PONG, FrameType.WINDOW, FrameType.CANCEL])
+async def test_a_frame_for_a_stream_never_opened_closes_the_connection(
+        raw_pair: Pair, ftype: FrameType) -> None:
+    # Nothing answers such frames (no backpressure): a peer free to send them forever
+    # would cost a decode each, for as long as it likes. No honest peer sends one.
+    conn = raw_pair.conn
+    task = asyncio.ensure_future(conn.call("echo"))
+    await raw_pair.peer.frame()
+    raw_pair.peer.send(ftype, 10**9 + (ftype is FrameType.CANCEL), b"\x00\x00\x00\x01")
+    with pytest.raises(ConnectionLost, match="never opened"):
+        await task
+    assert conn.closed and conn.protocol_error is not None
+
+
+async def test_late_frames_past_the_per_call_budget_close_the_connection(
+        raw_pair: Pair) -> None:
+    conn, peer = raw_pair.conn, raw_pair.peer
+    conn.limit_late_frames(4)
+    gone = asyncio.ensure_future(conn.call("echo"))
+    _, old, _, _ = await peer.frame()
+    gone.cancel()
+    for _ in range(8):              # one call opened: 4 x (1 + 1) tolerated
+        peer.send(FrameType.STREAM, old, b"\xc0")
+    task = asyncio.ensure_future(conn.call("echo"))
+    _, sid, _, _ = await peer.frame_of(FrameType.REQUEST)
+    peer.send(FrameType.RESPONSE, sid, b"\xa2ok")
+    assert await task == "ok" and not conn.closed
+    for _ in range(5):
+        peer.send(FrameType.STREAM, old, b"\xc0")
+    await asyncio.wait_for(conn.wait_closed(), 5)
+    assert conn.closed and "late frames per call" in str(conn.protocol_error)
 
 
 async def test_undecodable_reply_fails_only_that_call(raw_pair: Pair) -> None:

@@ -836,6 +836,11 @@ class Guard:
     on_established: Callable[[Connection], None]
 
 
+#: late frames (for ended streams) a listener's peer may send per call before it is cut
+#: off; see Connection.limit_late_frames
+LATE_FRAMES_PER_CALL = 1024
+
+
 class Connection:
     """One multiplexed Aether connection.
 
@@ -965,6 +970,9 @@ class Connection:
                 self._read_high = 2 * lim.pending_max_frame
                 high, low = PENDING_WRITE_HIGH, PENDING_WRITE_LOW
                 self._write_high, self._write_low = high, low
+            # A listener's peer is a stranger: frames for its ended calls (a CANCEL after
+            # the reply, credit after a push ended) are bounded too (see limit_late_frames).
+            self._state.stale_per_call = LATE_FRAMES_PER_CALL
             self._last_rx = self._opened_at = now = self._loop.time()
             if lim.auth_timeout_s is not None:
                 self._arm_watch(now + lim.auth_timeout_s)
@@ -974,6 +982,14 @@ class Connection:
             pass
 
     # ----------------------------------------------------------------- public API
+    def limit_late_frames(self, per_call: int) -> None:
+        """Close the connection (a logged protocol error) once the peer has sent more than
+        ``per_call`` frames per call (either side's, plus one) for streams that had
+        ended. For a peer that is not trusted to stop (a guest agent): such frames get no
+        answer, so nothing else slows it down. Frames for streams never opened close it
+        at the first, whatever this says."""
+        self._state.stale_per_call = per_call
+
     @property
     def closed(self) -> bool:
         return self._closed
@@ -1477,11 +1493,13 @@ class Connection:
             # ConnectionState.take, inlined on the hottest path (a method call per reply
             # measured ~1% of a pipelined call): _pending is the state's pending table.
             slot = self._pending.pop(sid, None)
-            if slot is not None:  # else: a reply to a call we abandoned; drop it
+            if slot is not None:
                 if isinstance(slot, _Slot):
                     slot.ok(sid, payload)
                 elif not slot.done():
                     slot.set_result(payload)
+            else:  # a reply to a call we abandoned (dropped), or a made-up one
+                self._state.on_unsolicited("RESPONSE", sid)
         elif ftype == _REQUEST:
             self._on_request(sid, payload, flags)
         elif ftype == _STREAM:
@@ -1497,26 +1515,32 @@ class Connection:
                 d = self._duplex.get(sid)
                 if d is not None:
                     d._on_data(payload, flags)
-                # else: a stream that ended (its late bytes are dropped) or none at all
+                else:  # a stream that ended (its late bytes are dropped) or none at all
+                    self._state.on_unsolicited("STREAM", sid)
         elif ftype == _ERROR:
             slot = self._state.take(sid)
             if slot is not None:
                 _reject(slot, sid, self._wire_error(sid, payload))
+            else:
+                self._state.on_unsolicited("ERROR", sid)
         elif ftype == _CANCEL:
             task = self._tasks.pop(sid, None)
             if task is not None:
                 task.cancel()
-            if self._duplex:
-                d = self._duplex.get(sid)
-                if d is not None and not d._caller:
-                    d._on_reset(StreamReset(
-                        f"duplex stream {sid} ({d.method!r}) was cancelled by the caller"))
+            d = self._duplex.get(sid) if self._duplex else None
+            if d is not None and not d._caller:
+                d._on_reset(StreamReset(
+                    f"duplex stream {sid} ({d.method!r}) was cancelled by the caller"))
+            if task is None and d is None:  # a call that had ended, or none at all
+                self._state.on_unsolicited("CANCEL", sid)
         elif ftype == _PING:
             self._send(_PONG, sid, payload)
         elif ftype == _PONG:
             slot = self._state.take(sid)
             if slot is not None:
                 _resolve(slot, sid, payload)
+            else:
+                self._state.on_unsolicited("PONG", sid)
         elif ftype == _WINDOW:
             increment = decode_window(payload, sid)
             d = self._duplex.get(sid)
@@ -1526,6 +1550,8 @@ class Connection:
                 c = self._push_credit.get(sid)
                 if c is not None:
                     c.grant(increment)
+                else:
+                    self._state.on_unsolicited("WINDOW", sid)
         else:  # _GOAWAY; the decoder lets no other type through
             self._on_goaway(payload)
 

@@ -96,13 +96,13 @@ class ConnectionState(Generic[S]):
     ``goaway_received`` / ``goaway_code`` (what the peer's GOAWAY said), ``closed``.
     """
 
-    __slots__ = ("_peer_parity", "auth_required", "authed", "can_open", "closed", "goaway_code",
-                 "goaway_received", "goaway_sent", "last_peer_sid", "next_sid", "pending",
-                 "side")
+    __slots__ = ("_first_sid", "_peer_parity", "auth_required", "authed", "can_open", "closed",
+                 "goaway_code", "goaway_received", "goaway_sent", "last_peer_sid", "next_sid",
+                 "pending", "side", "stale", "stale_per_call")
 
     def __init__(self, side: Side, *, auth_required: bool = False) -> None:
         self.side = side
-        self.next_sid = 1 if side is Side.DIALER else 2
+        self.next_sid = self._first_sid = 1 if side is Side.DIALER else 2
         self._peer_parity = 0 if side is Side.DIALER else 1
         self.last_peer_sid = 0
         self.pending: dict[int, S] = {}
@@ -115,6 +115,12 @@ class ConnectionState(Generic[S]):
         # New calls may be opened: not closed and no GOAWAY either way. A plain attribute
         # kept on each transition (the shell reads it on every call; a property cost more).
         self.can_open = True
+        # Frames for streams nothing waits on any more (late replies to calls given up on).
+        # ``stale_per_call`` (None: no bound) caps them at that many per call either side
+        # opened (plus one call's worth): a peer that keeps sending them is past any
+        # lateness and closed (a hostile one would cost us a decode per frame forever).
+        self.stale = 0
+        self.stale_per_call: int | None = None
 
     # ------------------------------------------------------------ this side's calls
     @property
@@ -145,6 +151,29 @@ class ConnectionState(Generic[S]):
         """The call on ``sid`` ended (its reply came, or this side gave up on it): its
         slot, or None if it was not pending (a late reply to an abandoned call: drop it)."""
         return self.pending.pop(sid, None)
+
+    def on_unsolicited(self, kind: str, sid: int) -> None:
+        """A ``kind`` frame (RESPONSE, STREAM, ERROR, PONG, WINDOW) came on ``sid`` with
+        nothing waiting for it. A late one for a stream that was opened is dropped (and
+        counted against :attr:`stale_per_call`); one for a stream neither side ever opened
+        is a protocol violation: RemoteProtocolError."""
+        if sid & 1 == self._peer_parity:
+            never = sid > self.last_peer_sid
+        else:
+            never = sid >= self.next_sid
+        if never:
+            raise RemoteProtocolError(
+                f"{kind} frame on stream {sid}, which was never opened (this side opened up "
+                f"to {self.next_sid - 2}, the peer up to {self.last_peer_sid})")
+        self.stale += 1
+        per_call = self.stale_per_call
+        if per_call is not None:
+            calls = (self.next_sid - self._first_sid) // 2 + self.last_peer_sid // 2 + 1
+            if self.stale > per_call * calls:
+                raise RemoteProtocolError(
+                    f"{self.stale} frames for streams that had ended (the last a {kind} on "
+                    f"stream {sid}) over {calls - 1} calls: more than the {per_call} late "
+                    "frames per call a peer may send")
 
     # ------------------------------------------------------------ the peer's calls
     def on_request(self, sid: int, payload: bytes) -> Verdict:

@@ -42,12 +42,128 @@ from dsec.image.tree import (
     write_sparse,
 )
 
-__all__ = ["DEFAULT_LIMITS", "ExtractLimits", "ExtractStats", "extract_tar", "pack_tree"]
+__all__ = ["DEFAULT_LIMITS", "ExtractLimits", "ExtractStats", "check_pax", "extract_tar",
+           "open_tar", "pack_tree"]
 
 _WH = ".wh."
 _OPQ = ".wh..wh..opq"
 _XATTR_PAX = "SCHILY.xattr."
 _CHUNK = 1 << 20
+#: extension headers (pax, GNU long name/link) are refused above these sizes before
+#: tarfile reads them whole: a path is at most max_path_bytes (4 KiB), a pax header holds
+#: a few of those and the xattrs of one file (64 KiB each at most on Linux)
+MAX_LONGNAME_BYTES = 64 << 10
+MAX_PAX_BYTES = 1 << 20
+#: global pax headers of one archive, all together (tarfile keeps them for good)
+MAX_GLOBAL_PAX_BYTES = 1 << 20
+#: a run of ASCII digits in a pax header longer than this is refused (see _BoundedTarInfo)
+_MAX_DIGIT_RUN = 64
+
+
+class _Replay:
+    """``inner`` with ``head`` (already read from it) put back in front: what a
+    TarInfo method reads after a check looked at the bytes first."""
+
+    def __init__(self, head: bytes, inner: IO[bytes]) -> None:
+        self._head = head
+        self._inner = inner
+
+    def read(self, n: int = -1) -> bytes:
+        if not self._head:
+            return self._inner.read(n)
+        if n < 0:
+            out, self._head = self._head, b""
+            return out + self._inner.read()
+        out, self._head = self._head[:n], self._head[n:]
+        return out if len(out) == n else out + self._inner.read(n - len(out))
+
+    def tell(self) -> int:
+        return self._inner.tell() - len(self._head)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._inner, name)
+
+
+def check_pax(buf: bytes) -> None:
+    """Refuse a pax header tarfile would parse slowly or wrongly (pure, linear): records
+    must be well formed (``LEN KEY=VALUE\\n`` back to back, then NUL padding), no run of
+    digits may exceed _MAX_DIGIT_RUN and ``hdrcharset=`` may appear only as a record's
+    key. Python before 3.11.10 searches pax headers with ``\\d+ hdrcharset=`` (CVE-2024-6232),
+    quadratic in digit runs and in such substrings, inside ``re`` holding the GIL: one
+    header of a hostile image stopped every thread of the process for minutes."""
+    pos, end = 0, len(buf)
+    while pos < end:
+        if buf[pos] == 0:
+            if buf[pos:].strip(b"\0"):
+                raise UnsafeArchive("tar pax header has data after its padding")
+            break
+        sp = buf.find(b" ", pos, min(end, pos + 9))
+        if sp < 0 or not buf[pos:sp].isdigit():
+            raise UnsafeArchive("tar pax record does not start with its length")
+        rec_end = pos + int(buf[pos:sp])
+        eq = buf.find(b"=", sp + 1, rec_end)
+        if rec_end > end or rec_end <= sp + 2 or buf[rec_end - 1] != 0x0A or eq < 0:
+            raise UnsafeArchive(f"tar pax record at byte {pos} is malformed")
+        if buf.find(b"hdrcharset=", sp + 2, rec_end) >= 0:
+            raise UnsafeArchive("tar pax record holds 'hdrcharset=' inside it")
+        pos = rec_end
+    run = 0
+    for c in buf:       # bytes iterate as ints; ~30 ns a byte, on at most MAX_PAX_BYTES
+        if 48 <= c <= 57:
+            run += 1
+            if run > _MAX_DIGIT_RUN:
+                raise UnsafeArchive(f"tar pax header holds a run of more than "
+                                    f"{_MAX_DIGIT_RUN} digits (refused: Python's tarfile "
+                                    "parses such headers in quadratic time)")
+        else:
+            run = 0
+
+
+class _BoundedTarInfo(tarfile.TarInfo):
+    """TarInfo that bounds extension headers before tarfile reads them (see
+    MAX_PAX_BYTES) and checks pax headers with :func:`check_pax` first. Errors are
+    UnsafeArchive (not a tarfile HeaderError, which tarfile may take for the end of the
+    archive)."""
+
+    def _proc_member(self, tarfile: tarfile.TarFile) -> tarfile.TarInfo:
+        t = self.type
+        if self.size < 0:
+            raise UnsafeArchive(f"tar member {self.name[:200]!r} has a negative size")
+        if t in (tarfile_mod.GNUTYPE_LONGNAME, tarfile_mod.GNUTYPE_LONGLINK):
+            if self.size > MAX_LONGNAME_BYTES:
+                raise UnsafeArchive(f"tar GNU long name of {self.size} bytes (at most "
+                                    f"{MAX_LONGNAME_BYTES})")
+        elif t in (tarfile_mod.XHDTYPE, tarfile_mod.XGLTYPE, tarfile_mod.SOLARIS_XHDTYPE):
+            if self.size > MAX_PAX_BYTES:
+                raise UnsafeArchive(f"tar pax header of {self.size} bytes (at most "
+                                    f"{MAX_PAX_BYTES})")
+            if t == tarfile_mod.XGLTYPE:
+                total = getattr(tarfile, "_dsec_global", 0) + self.size
+                if total > MAX_GLOBAL_PAX_BYTES:
+                    raise UnsafeArchive(f"tar global pax headers exceed "
+                                        f"{MAX_GLOBAL_PAX_BYTES} bytes")
+                tarfile._dsec_global = total  # type: ignore[attr-defined]
+            inner = tarfile.fileobj
+            assert inner is not None
+            buf = inner.read(self._block(self.size))  # type: ignore[attr-defined]
+            check_pax(buf[:self.size])
+            tarfile.fileobj = _Replay(buf, inner)  # type: ignore[arg-type,assignment]
+            try:
+                return super()._proc_member(tarfile)  # type: ignore[misc,no-any-return]
+            finally:
+                tarfile.fileobj = inner
+        return super()._proc_member(tarfile)  # type: ignore[misc,no-any-return]
+
+
+tarfile_mod = tarfile
+
+
+def open_tar(fileobj: IO[bytes] | None = None, mode: str = "r|*", *,
+             name: str | None = None) -> tarfile.TarFile:
+    """``tarfile.open`` for hostile archives: extension headers bounded and pax headers
+    checked before tarfile parses them (:class:`_BoundedTarInfo`)."""
+    return tarfile.open(name=name, fileobj=fileobj, mode=mode,  # type: ignore[call-overload,no-any-return]
+                        tarinfo=_BoundedTarInfo)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -158,7 +274,7 @@ def extract_tar(fileobj: IO[bytes], dest: str, *, limits: ExtractLimits = DEFAUL
     stats = ExtractStats()
     try:
         # Opened apart from `with tf:` below so a bad stream is told apart from a bad member.
-        tf = tarfile.open(fileobj=fileobj, mode="r|*")  # noqa: SIM115
+        tf = open_tar(fileobj, "r|*")
     except tarfile.TarError as exc:
         raise UnsafeArchive(f"not a readable tar stream: {exc}") from exc
     try:

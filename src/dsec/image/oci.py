@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import IO, Any
 
 from dsec.errors import CorruptLayer, ImageError, InvalidArgument
-from dsec.image.archive import DEFAULT_LIMITS, ExtractLimits, extract_tar
+from dsec.image.archive import DEFAULT_LIMITS, ExtractLimits, extract_tar, open_tar
 from dsec.image.erofs import Compression, ProgressFn
 from dsec.image.manifest import LayerKind, LayerManifest
 from dsec.image.store import LayerStore, Pin
@@ -52,7 +52,7 @@ class _Source:
         if os.path.isfile(path):
             try:
                 # Kept open for the object's lifetime; closed by close().
-                self._tar = tarfile.open(path, "r:*")  # noqa: SIM115
+                self._tar = open_tar(name=path, mode="r:*")
             except tarfile.TarError as exc:
                 raise InvalidArgument(f"{path} is not an OCI/docker-save tarball: {exc}") from exc
         elif not os.path.isdir(path):

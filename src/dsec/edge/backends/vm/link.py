@@ -50,6 +50,14 @@ MAX_GUEST_MESSAGE = 512
 EXEC_SLACK_S = 10.0
 #: how long a call that is not an exec may take (a stuck guest is a dead one)
 CALL_TIMEOUT_S = 30.0
+#: replies shorter than asked, not at EOF, one read may get before it fails. The agent
+#: fills each reply (it loops on pread) unless the file changes under it; a guest that
+#: answers a byte at a time would turn one read_file into a call per byte.
+MAX_SHORT_READS = 8
+#: frames for ended streams the guest may send per call of ours before the link is cut
+#: (late chunks of a cancelled exec_stream or diff); any for a stream never opened cut it
+#: at once (Connection.limit_late_frames). The link re-dials on the next call.
+LATE_FRAMES_PER_CALL = 1024
 
 
 class GuestError(BackendError):
@@ -86,6 +94,7 @@ class AgentLink:
         except ConnectFailed as exc:
             raise BackendError(f"sandbox {sid}: cannot reach the guest agent's channel "
                                f"{path}: {exc}") from exc
+        conn.limit_late_frames(LATE_FRAMES_PER_CALL)
         link = cls(conn, sid)
         try:
             while True:
@@ -189,6 +198,7 @@ class AgentLink:
         ``max_bytes`` (PayloadTooLarge beyond: never buffered whole)."""
         want = max_bytes + 1 if length is None else min(length, max_bytes + 1)
         out = bytearray()
+        short = 0
         while len(out) < want:
             n = min(ap.MAX_READ, want - len(out))
             r = await self.call("read", ap.ReadRequest(path=path, offset=offset + len(out),
@@ -199,6 +209,15 @@ class AgentLink:
             out += r.data
             if r.eof or not r.data:
                 break
+            if len(r.data) < n:
+                # Each call must make progress: at most MAX_SHORT_READS short replies,
+                # then ceil(want / MAX_READ) full ones bound the calls of one read.
+                short += 1
+                if short > MAX_SHORT_READS:
+                    raise GuestError(
+                        f"sandbox {self.sid}: the guest agent answered {short} reads of "
+                        f"{path} short of what was asked without reaching its end (a "
+                        "broken or hostile agent); the read was given up")
         if len(out) > max_bytes:
             raise PayloadTooLarge(f"file {path} in sandbox {self.sid} is larger than "
                                   f"{max_bytes} bytes; read it in ranges (offset/length)",
