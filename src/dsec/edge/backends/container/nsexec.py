@@ -86,12 +86,14 @@ def default_cache_dir() -> str:
     return os.path.join(os.path.expanduser("~"), ".cache", "dsec")
 
 
-def _check_private(path: str) -> None:
+def check_private(path: str, *,
+                  what: str = "the container helper built there runs as root") -> None:
+    """Refuse a build cache someone else may write (``what``: why that matters)."""
     st = os.stat(path)
     if st.st_uid != os.geteuid() or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
         raise BackendError(
             f"{path} (owner uid {st.st_uid}, mode {stat.filemode(st.st_mode)}) may be "
-            "written by someone else, and the container helper built there runs as root; "
+            f"written by someone else, and {what}; "
             "make it owned by this user and not group/world-writable, or set "
             "DSEC_NSEXEC_DIR to a private directory")
 
@@ -111,10 +113,10 @@ def ensure_nsexec(cache_dir: str | None = None, *,
     digest = hashlib.sha256(json.dumps([src, hdr, *CFLAGS]).encode()).hexdigest()[:16]
     target = os.path.join(cache_dir, f"dsec-nsexec-{digest}")
     if os.path.exists(target):
-        _check_private(cache_dir)
+        check_private(cache_dir)
         return target
     os.makedirs(cache_dir, mode=0o755, exist_ok=True)
-    _check_private(cache_dir)
+    check_private(cache_dir)
     cc = next((c for c in compilers if shutil.which(c)), None)
     if cc is None:
         raise BackendError("the native container driver compiles a small C helper "

@@ -63,6 +63,34 @@ class RuncDriver:
         runc = [self.binary, "--root", self.state_root, *self._global_args(), *args]
         return ["chrt", "--idle", "0", *runc] if idle else runc
 
+    async def _spawn_piped(self, argv: list[str], req: ExecRequest,
+                           on_chunk: Callable[[ExecChunk], None] | None,
+                           ) -> tuple[asyncio.subprocess.Process, OutputPump,
+                                      StdinFeeder | None]:
+        """Start ``argv`` (a runc/runsc ``exec`` in the foreground) in a session of its
+        own, its output through capped pipes and its stdin fed from ``req.stdin``."""
+        loop = asyncio.get_running_loop()
+        out_r, out_w = os.pipe2(os.O_CLOEXEC)
+        err_r, err_w = os.pipe2(os.O_CLOEXEC)
+        in_r, in_w = os.pipe2(os.O_CLOEXEC) if req.stdin else (-1, -1)
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *argv, stdin=in_r if req.stdin else asyncio.subprocess.DEVNULL,
+                stdout=out_w, stderr=err_w, start_new_session=True)
+        except BaseException:
+            for fd in (out_r, err_r, in_w):
+                if fd >= 0:
+                    os.close(fd)
+            raise
+        finally:
+            for fd in (out_w, err_w, in_r):
+                if fd >= 0:
+                    os.close(fd)
+        pump = OutputPump(loop, {"stdout": out_r, "stderr": err_r}, req.output_cap_bytes,
+                          on_chunk)
+        feeder = StdinFeeder(loop, in_w, req.stdin) if req.stdin else None
+        return proc, pump, feeder
+
     async def _run(self, *args: str, timeout_s: float | None = None,
                    idle: bool = False) -> tuple[int, str]:
         """Run a runc command with /dev/null as stdin, stdout and stderr.
@@ -175,7 +203,6 @@ class RuncDriver:
         if req.background:
             args.append("-d")
         args += [box.sid, *argv]
-        loop = asyncio.get_running_loop()
         idle = box.spec.qos == "be"   # SCHED_IDLE, inherited by the command (see _cmd)
         if req.background:
             try:
@@ -197,25 +224,8 @@ class RuncDriver:
                 pid = int(f.read().strip())
             os.unlink(pid_file)
             return ExecResult(exit_code=0, pid=_ns_pid(pid), duration_s=time.monotonic() - t0)
-        out_r, out_w = os.pipe2(os.O_CLOEXEC)
-        err_r, err_w = os.pipe2(os.O_CLOEXEC)
-        in_r, in_w = os.pipe2(os.O_CLOEXEC) if req.stdin else (-1, -1)
-        try:
-            proc = await asyncio.create_subprocess_exec(
-                *self._cmd(*args, idle=idle), stdin=in_r if req.stdin else asyncio.subprocess.DEVNULL,
-                stdout=out_w, stderr=err_w, start_new_session=True)
-        except BaseException:
-            for fd in (out_r, err_r, in_w):
-                if fd >= 0:
-                    os.close(fd)
-            raise
-        finally:
-            for fd in (out_w, err_w, in_r):
-                if fd >= 0:
-                    os.close(fd)
-        pump = OutputPump(loop, {"stdout": out_r, "stderr": err_r}, req.output_cap_bytes,
-                          on_chunk)
-        feeder = StdinFeeder(loop, in_w, req.stdin) if req.stdin else None
+        proc, pump, feeder = await self._spawn_piped(
+            self._cmd(*args, idle=idle), req, on_chunk)
         timed_out = False
         try:
             async with asyncio.timeout(req.timeout_s):

@@ -77,7 +77,6 @@ from collections.abc import Callable, Sequence
 from dsec.edge.backends.container import linux
 from dsec.edge.backends.container.box import Box
 from dsec.edge.backends.container.census import cgroup_parents, remove_cgroup_dirs
-from dsec.edge.backends.container.execio import OutputPump, StdinFeeder
 from dsec.edge.backends.container.files import SandboxFiles
 from dsec.edge.backends.container.nsexec import ensure_nsexec
 from dsec.edge.backends.container.oci import oci_config
@@ -543,29 +542,10 @@ class RunscDriver(RuncDriver):
     async def _foreground(self, box: Box, req: ExecRequest, args: list[str], ipid_file: str,
                           on_chunk: Callable[[ExecChunk], None] | None,
                           t0: float) -> ExecResult:
-        loop = asyncio.get_running_loop()
         log = os.path.join(self.state_root, f".log-{self._owner}-{next(self._seq)}")
-        out_r, out_w = os.pipe2(os.O_CLOEXEC)
-        err_r, err_w = os.pipe2(os.O_CLOEXEC)
-        in_r, in_w = os.pipe2(os.O_CLOEXEC) if req.stdin else (-1, -1)
-        try:
-            proc = await asyncio.create_subprocess_exec(
-                self.binary, "--root", self.state_root, "--log", log, "--log-format", "json",
-                *self._global_args(), *args,
-                stdin=in_r if req.stdin else asyncio.subprocess.DEVNULL,
-                stdout=out_w, stderr=err_w, start_new_session=True)
-        except BaseException:
-            for fd in (out_r, err_r, in_w):
-                if fd >= 0:
-                    os.close(fd)
-            raise
-        finally:
-            for fd in (out_w, err_w, in_r):
-                if fd >= 0:
-                    os.close(fd)
-        pump = OutputPump(loop, {"stdout": out_r, "stderr": err_r}, req.output_cap_bytes,
-                          on_chunk)
-        feeder = StdinFeeder(loop, in_w, req.stdin) if req.stdin else None
+        proc, pump, feeder = await self._spawn_piped(
+            [self.binary, "--root", self.state_root, "--log", log, "--log-format", "json",
+             *self._global_args(), *args], req, on_chunk)
         timed_out = False
         died = asyncio.ensure_future(box.exited.wait())
         waited = asyncio.ensure_future(proc.wait())

@@ -38,6 +38,7 @@ import tempfile
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from dsec.edge.backends.container.nsexec import check_private, default_cache_dir
 from dsec.errors import BackendError
 
 __all__ = [
@@ -246,28 +247,6 @@ def agent_source() -> str:
         return f.read()
 
 
-def default_cache_dir() -> str:
-    """Same rule as the container helper: ``$DSEC_NSEXEC_DIR``, else /var/cache/dsec
-    for root, else ~/.cache/dsec (root-owned and private: the initramfs built there runs
-    as the guest's PID 1, and the host gives the guest its files)."""
-    d = os.environ.get("DSEC_NSEXEC_DIR")
-    if d:
-        return d
-    if os.geteuid() == 0:
-        return "/var/cache/dsec"
-    return os.path.join(os.path.expanduser("~"), ".cache", "dsec")
-
-
-def _check_private(path: str) -> None:
-    st = os.stat(path)
-    if st.st_uid != os.geteuid() or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        raise BackendError(
-            f"{path} (owner uid {st.st_uid}, mode {stat.filemode(st.st_mode)}) may be written "
-            "by someone else, and the guest agent built there runs as the guest's PID 1; "
-            "make it owned by this user and not group/world-writable, or set "
-            "DSEC_NSEXEC_DIR to a private directory")
-
-
 def ensure_agent(cache_dir: str | None = None, *,
                  compilers: tuple[str, ...] = _COMPILERS) -> str:
     """Path of an up-to-date static ``dsec-vm-agent`` (compiled on first use, ~1 s)."""
@@ -276,7 +255,9 @@ def ensure_agent(cache_dir: str | None = None, *,
     digest = hashlib.sha256(json.dumps([src, *AGENT_CFLAGS]).encode()).hexdigest()[:16]
     target = os.path.join(cache_dir, f"dsec-vm-agent-{digest}")
     os.makedirs(cache_dir, mode=0o755, exist_ok=True)
-    _check_private(cache_dir)
+    # the agent built there runs as the guest's PID 1, and the host gives the guest its
+    # files: same private cache as the container helper (DSEC_NSEXEC_DIR, /var/cache/dsec)
+    check_private(cache_dir, what="the guest agent built there runs as the guest's PID 1")
     if os.path.exists(target):
         return target
     cc = next((c for c in compilers if shutil.which(c)), None)
