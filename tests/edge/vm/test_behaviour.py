@@ -99,7 +99,7 @@ from tests.edge.vm.behaviour_fixtures import (  # noqa: F401
 pytestmark = [pytest.mark.root, pytest.mark.asyncio(loop_scope="module")]
 
 FULL = os.environ.get("DSEC_VM_FULL") == "1"
-full = pytest.mark.skipif(not FULL, reason="vm full behaviour set (cold boots): "
+full = pytest.mark.skipif(not FULL, reason="by design: vm full behaviour set (cold boots): "
                                            "DSEC_VM_FULL=1")
 
 __all__ = [
