@@ -50,7 +50,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--trace-window-s", type=float, default=5.0)
     p.add_argument("--breaker-failures", type=int, default=3)
     p.add_argument("--breaker-open-s", type=float, default=2.0)
-    p.add_argument("--breaker-max-open-s", type=float, default=30.0)
+    p.add_argument("--breaker-max-open-s", type=float, default=10.0)
     p.add_argument("--stats", default=None)
     p.add_argument("--workers", type=int, default=32)
     # Idle workers kept (--workers) and the most at once: a read waiting on a fetch holds

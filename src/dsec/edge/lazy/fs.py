@@ -104,7 +104,7 @@ class FsConfig:
     breaker_open_s: float = 2.0
     """How long the breaker stays open before its probe; doubled after each failed
     probe, up to ``breaker_max_open_s``."""
-    breaker_max_open_s: float = 30.0
+    breaker_max_open_s: float = 10.0
     trace_window_s: float = 5.0
     """A layer's access trace is the chunks first read within this long of its first read."""
     stats_path: str | None = None

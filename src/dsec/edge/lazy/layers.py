@@ -105,7 +105,7 @@ class LazyConfig(msgspec.Struct, frozen=True, kw_only=True):
     until a probe request answers (``dsec.edge.lazy.plan.Breaker``)."""
     breaker_open_s: float = 2.0
     """Time between probes of a store found down (doubling up to ``breaker_max_open_s``)."""
-    breaker_max_open_s: float = 30.0
+    breaker_max_open_s: float = 10.0
     trace_window_s: float = 5.0
     """A layer's access trace: chunks first read within this long of its first read."""
     restart: bool = True

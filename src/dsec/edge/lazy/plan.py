@@ -142,7 +142,7 @@ class Breaker:
 
     Pure: ``now`` (monotonic seconds) is passed in."""
 
-    def __init__(self, failures: int = 3, open_s: float = 2.0, max_open_s: float = 30.0
+    def __init__(self, failures: int = 3, open_s: float = 2.0, max_open_s: float = 10.0
                  ) -> None:
         if failures < 1 or open_s <= 0 or max_open_s < open_s:
             raise ValueError(f"breaker: failures={failures} must be >= 1 and "
