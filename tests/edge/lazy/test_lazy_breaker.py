@@ -164,6 +164,39 @@ def test_a_missing_key_or_a_corrupt_chunk_does_not_open_the_breaker(tmp_path: ob
     run_fs(store, tmp, layer, body, retry_budget_s=0.3, breaker_failures=1)
 
 
+def test_misses_queued_behind_a_busy_node_do_not_open_the_breaker(tmp_path: object
+                                                                   ) -> None:
+    """A fetch that waited its whole budget for a fetch slot (this node's own queue: one
+    sandbox flooding misses) says nothing about the store: only requests that were sent
+    and got no answer count, so a stuck request plus a queue behind it stays below a
+    4-failure threshold with 4 misses."""
+    tmp = str(tmp_path)
+    layer = make_layer(tmp, 4)
+    gate = threading.Event()
+    store = Store(layer.data, gate=gate)
+    got: list[bytes | int] = []
+
+    async def body(fs: LazyFs, ino: int) -> None:
+        async def one(c: int) -> None:
+            got.append(await read(fs, ino, c))
+        try:
+            async with trio.open_nursery() as n:
+                n.start_soon(one, 0)
+                await trio.sleep(0.02)              # chunk 0's request is out (stuck)
+                for c in (1, 2, 3):
+                    n.start_soon(one, c)            # queued behind it: one slot
+        finally:
+            gate.set()
+        assert got == [errno.EIO] * 4
+        # an abandoned request gives its slot back: one queued miss may still be sent
+        # (and counts); the others timed out in the queue and do not
+        assert fs.breaker.count == len(store.calls) < 4
+        assert str(fs.breaker.state) == "closed"
+
+    run_fs(store, tmp, layer, body, retry_budget_s=0.3, max_inflight=1,
+           breaker_failures=4)
+
+
 def test_late_bytes_of_an_abandoned_fetch_count_against_the_cache_budget(
         tmp_path: object) -> None:
     """A blob read stuck past the retry budget is abandoned (the read gets EIO); when

@@ -171,6 +171,11 @@ class _Handoff:
     abandoned: bool = False     # the trio side gave up waiting for it
 
 
+class _Queued(BlobUnavailable):
+    """A fetch that never got a slot within the retry budget: a busy node, not a down
+    store (one sandbox flooding misses must not open the store's breaker for all)."""
+
+
 class _FetchFailed(Exception):
     def __init__(self, cause: str) -> None:
         super().__init__(cause)
@@ -428,7 +433,8 @@ class LazyFs(pyfuse3.Operations):
                         cause = f"{type(exc).__name__}: {exc}"
                         # unreachable (refused, 5xx, timeouts, the budget) - not an
                         # answer such as a missing key
-                        down = isinstance(exc, (BlobUnavailable, OSError))
+                        down = isinstance(exc, (BlobUnavailable, OSError)) \
+                            and not isinstance(exc, _Queued)
                         if admit == "probe":
                             if down:
                                 self._breaker_failure(cause, probe=True)
@@ -550,14 +556,23 @@ class LazyFs(pyfuse3.Operations):
 
         assert lay.limiter is not None
         self.stats.requests += 1
+        sent = False
         with trio.move_on_after(max(0.0, deadline - time.monotonic())) as scope:
             async with contextlib.AsyncExitStack() as slots:
                 if limiter is not None:
                     await slots.enter_async_context(limiter)
                 await slots.enter_async_context(lay.limiter)
                 await slots.enter_async_context(self.fetch_limiter)
+                sent = True
                 got = await trio.to_thread.run_sync(work, abandon_on_cancel=True)
         if scope.cancelled_caught:
+            if not sent:
+                # never got a fetch slot: this node's own queue, not the store, was slow
+                raise _Queued(
+                    f"blob store {self.blob.url}: {length} bytes at {off} of layer "
+                    f"{t.digest} waited the whole retry budget of "
+                    f"{self.cfg.retry_budget_s:g}s for a fetch slot (this node's fetches "
+                    "are saturated)", store=self.blob.url)
             self.stats.abandoned_fetches += 1
             with hand.lock:
                 hand.abandoned = True
