@@ -95,6 +95,8 @@ def test_breaker_never_stays_half_open_on_a_lost_probe() -> None:
     assert b.admit(1.0) == "probe"            # ... never reported
     assert b.admit(5.9) is None
     assert b.admit(6.0) == "probe"            # after max_open_s: another one
+    b.probe_lost(6.5)                         # it never reached the store
+    assert state(b) == "open" and b.admit(6.5) == "probe" and b.open_s == 1.0
 
 
 def test_breaker_refuses_nonsense() -> None:

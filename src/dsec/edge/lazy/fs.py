@@ -436,10 +436,13 @@ class LazyFs(pyfuse3.Operations):
                         down = isinstance(exc, (BlobUnavailable, OSError)) \
                             and not isinstance(exc, _Queued)
                         if admit == "probe":
+                            if isinstance(exc, _Queued):
+                                self.breaker.probe_lost(time.monotonic())
+                                raise _FetchFailed(cause) from None
                             if down:
                                 self._breaker_failure(cause, probe=True)
                                 raise _FetchFailed(cause) from None
-                            self._breaker_success()
+                            self._breaker_success()     # an answer: the store is up
                         unreachable = True
                         break
                     self._breaker_success()

@@ -192,6 +192,12 @@ class Breaker:
             return self._open(now)
         return False
 
+    def probe_lost(self, now: float) -> None:
+        """The probe never reached the store (it waited for a fetch slot): it says
+        nothing either way, so the next miss probes again."""
+        if self.state == "half_open":
+            self.state, self.until = "open", now
+
     def _open(self, now: float) -> bool:
         self.state, self.until, self.count = "open", now + self.open_s, 0
         self.opens += 1
