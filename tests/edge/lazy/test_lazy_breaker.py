@@ -164,6 +164,31 @@ def test_a_missing_key_or_a_corrupt_chunk_does_not_open_the_breaker(tmp_path: ob
     run_fs(store, tmp, layer, body, retry_budget_s=0.3, breaker_failures=1)
 
 
+def test_a_pin_made_during_an_outage_completes_once_the_store_is_back(tmp_path: object
+                                                                      ) -> None:
+    """Pinning fetches the whole layer in the background; with the store down (the
+    breaker failing the rest of the pass at once) the pass ends incomplete, and the
+    layer must still end up whole once the store answers (the old code gave up)."""
+    tmp = str(tmp_path)
+    layer = make_layer(tmp, 12)
+    store = Store(layer.data, down=True)
+
+    async def body(fs: LazyFs, ino: int) -> None:
+        lay = fs.by_ino[ino]
+        async with trio.open_nursery() as n:
+            n.start_soon(lambda: fs.prefetch(layer.hex, None, pin=True))
+            await trio.sleep(0.6)
+            assert not lay.present
+            store.down = False
+            with trio.fail_after(10):
+                while len(lay.present) < lay.table.count:
+                    await trio.sleep(0.05)
+        assert os.pread(lay.fd, len(layer.data), 0) == layer.data
+
+    run_fs(store, tmp, layer, body, retry_budget_s=0.2, breaker_failures=1,
+           breaker_open_s=0.2)
+
+
 def test_misses_queued_behind_a_busy_node_do_not_open_the_breaker(tmp_path: object
                                                                    ) -> None:
     """A fetch that waited its whole budget for a fetch slot (this node's own queue: one

@@ -633,20 +633,31 @@ class LazyFs(pyfuse3.Operations):
             return
         if pin:
             self.lru.pinned.add(hx)
-        want = range(lay.table.count) if chunks is None else \
-            [i for i in chunks if 0 <= i < lay.table.count]
-        self._check_stale(lay, want)
-        todo = [i for i in want if i not in lay.present]
         # Small runs, in trace order: a reader that needs a chunk a prefetch has in
         # flight waits for that whole run (measured: 16-chunk prefetch runs made a traced
         # second start 3x slower than the first on a disk-backed store; see the bench).
         run = self.cfg.prefetch_run_chunks
         batch = run * self.cfg.max_prefetch_inflight
-        for k in range(0, len(todo), batch):
-            part = [i for i in todo[k:k + batch] if i not in lay.present]
-            with contextlib.suppress(_FetchFailed):
-                await self._ensure(lay, part, prefetch=True, max_run=run)
-            self.stats.prefetched_chunks += sum(1 for i in part if i in lay.present)
+        wait = self.cfg.breaker_open_s
+        while True:
+            want = range(lay.table.count) if chunks is None else \
+                [i for i in chunks if 0 <= i < lay.table.count]
+            self._check_stale(lay, want)
+            todo = [i for i in want if i not in lay.present]
+            for k in range(0, len(todo), batch):
+                part = [i for i in todo[k:k + batch] if i not in lay.present]
+                with contextlib.suppress(_FetchFailed):
+                    await self._ensure(lay, part, prefetch=True, max_run=run)
+                self.stats.prefetched_chunks += sum(1 for i in part if i in lay.present)
+            if not pin or hx not in self.lru.pinned \
+                    or all(i in lay.present for i in want):
+                break
+            # A pinned layer left incomplete (the store was down - the breaker fails the
+            # rest of the pass at once - or served corrupt chunks): go on once the store
+            # may answer again, for as long as it stays pinned. Before, a pin made during
+            # an outage stayed incomplete until the daemon restarted.
+            await trio.sleep(max(wait, self.breaker.retry_in(time.monotonic())))
+            wait = min(wait * 2, 60.0)
         _emit({"ev": "prefetched", "layer": hx, "pinned": pin,
                "present": len(lay.present), "chunks": lay.table.count})
 
