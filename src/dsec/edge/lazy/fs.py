@@ -210,6 +210,7 @@ class LazyFs(pyfuse3.Operations):
                                config.breaker_max_open_s)
         self._down_cause = ""            # the last failure that counted toward opening
         self._fast_emitted: dict[str, float] = {}   # layer hex -> last fast-fail event
+        self._pinning: set[str] = set()             # pinned layers with a pass running
         os.makedirs(os.path.join(config.cache_dir, "traces"), mode=0o700, exist_ok=True)
 
     # ----------------------------------------------------------------- layers
@@ -633,6 +634,21 @@ class LazyFs(pyfuse3.Operations):
             return
         if pin:
             self.lru.pinned.add(hx)
+            if hx in self._pinning:
+                return               # a pass of this pin is running (and will retry)
+            self._pinning.add(hx)
+        try:
+            await self._prefetch(lay, chunks, pin=pin)
+        finally:
+            if pin:
+                self._pinning.discard(hx)
+        _emit({"ev": "prefetched", "layer": hx, "pinned": pin,
+               "present": len(lay.present), "chunks": lay.table.count})
+
+    async def _prefetch(self, lay: _Layer, chunks: Iterable[int] | None, *,
+                        pin: bool) -> None:
+        hx = lay.hex
+        chunks = None if chunks is None else list(chunks)
         # Small runs, in trace order: a reader that needs a chunk a prefetch has in
         # flight waits for that whole run (measured: 16-chunk prefetch runs made a traced
         # second start 3x slower than the first on a disk-backed store; see the bench).
@@ -658,8 +674,6 @@ class LazyFs(pyfuse3.Operations):
             # an outage stayed incomplete until the daemon restarted.
             await trio.sleep(max(wait, self.breaker.retry_in(time.monotonic())))
             wait = min(wait * 2, 60.0)
-        _emit({"ev": "prefetched", "layer": hx, "pinned": pin,
-               "present": len(lay.present), "chunks": lay.table.count})
 
     def _trace(self, lay: _Layer, span: range) -> None:
         if lay.trace_done:
