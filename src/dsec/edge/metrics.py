@@ -19,7 +19,8 @@ knows lives here, in a registry of its own:
   hit the node's chunk cache and that missed (``dsec_lazy_chunk_hit_ratio``: hits over
   both), bytes fetched from the blob store and bytes served, the latency of each ranged
   fetch (histogram), retries, chunks that failed their sha256, reads failed with EIO,
-  the chunk cache's size and daemon restarts. Read from the FUSE daemon's stats file
+  the chunk cache's size and daemon restarts, the blob store's circuit breaker (open,
+  times opened, fetches failed at once) and late chunks of abandoned reads. Read from the FUSE daemon's stats file
   (written every 0.5 s), summed over daemons that died, so the counters never go back.
 
 Collected on the edge's event loop (the server below is an asyncio one), where the
@@ -173,6 +174,18 @@ def lazy_families(st: Mapping[str, Any], restarts: int) -> Iterator[Any]:
                   "past the retry budget, or corrupt chunks)", "failed_reads")
     yield GaugeMetricFamily("dsec_lazy_cache_bytes", "bytes in the node's chunk cache",
                             value=float(st.get("cache_bytes", 0)))
+    yield GaugeMetricFamily("dsec_lazy_store_circuit_open", "1 while the blob store's "
+                            "circuit breaker is open or probing (misses fail with EIO at "
+                            "once), 0 when closed",
+                            value=0.0 if st.get("breaker_state", "closed") == "closed"
+                            else 1.0)
+    yield counter("dsec_lazy_store_circuit_opens", "times the blob store was found down "
+                  "(breaker opened)", "breaker_opens")
+    yield counter("dsec_lazy_fast_failed_fetches", "fetches failed at once: the breaker was "
+                  "open", "fast_failed_runs")
+    yield counter("dsec_lazy_late_chunks", "chunks a blob read given up at the retry "
+                  "budget wrote later (counted into the chunk cache's budget)",
+                  "late_chunks")
     yield CounterMetricFamily("dsec_lazy_daemon_restarts", "times the lazy layer FUSE "
                               "daemon died and was restarted", value=float(restarts))
     bounds, counts = st.get("fetch_bounds") or [], st.get("fetch_buckets") or []

@@ -1,14 +1,22 @@
-"""The chunk path's pure arithmetic: spans, merged runs, backoff, the LRU."""
+"""The chunk path's pure arithmetic: spans, merged runs, backoff, the LRU, the breaker."""
 
 from __future__ import annotations
 
 import itertools
 import random
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dsec.edge.lazy.plan import ChunkLru, Run, backoff_delays, chunk_span, merge_runs
+from dsec.edge.lazy.plan import (
+    Breaker,
+    ChunkLru,
+    Run,
+    backoff_delays,
+    chunk_span,
+    merge_runs,
+)
 
 CS = 256 * 1024
 
@@ -55,3 +63,43 @@ def test_lru_evicts_oldest_never_pinned_nor_the_new_one() -> None:
     assert lru.add(("p", 2), CS) == [("a", 3)]
     assert lru.add(("p", 3), CS) == []            # only pinned left: over budget, kept
     assert lru.bytes == 4 * CS and len(lru) == 4
+
+
+def state(b: Breaker) -> str:
+    return b.state
+
+
+def test_breaker_opens_after_n_failures_and_probes_one_at_a_time() -> None:
+    b = Breaker(failures=3, open_s=1.0, max_open_s=3.0)
+    assert b.admit(0.0) == "pass"
+    assert not b.failure(0.0) and not b.failure(0.1)
+    assert b.success() is False and b.count == 0        # an answer clears the count
+    assert not b.failure(1.0) and not b.failure(1.1)
+    assert b.failure(1.2) and b.state == "open" and b.opens == 1
+    assert b.admit(1.5) is None
+    assert b.retry_in(1.5) == pytest.approx(0.7)
+    assert not b.failure(1.6)                 # a fetch from before it opened: no change
+    assert b.admit(2.2) == "probe"            # its time is up: one probe
+    assert b.admit(2.3) is None               # every other miss still fails at once
+    assert b.failure(2.4, probe=True) and b.open_s == 2.0 and b.until == 4.4
+    assert b.admit(4.4) == "probe"
+    assert b.failure(4.5, probe=True) and b.open_s == 3.0   # doubled, capped
+    assert b.admit(7.5) == "probe"
+    assert b.success() is True and state(b) == "closed" and b.open_s == 1.0
+    assert b.admit(7.6) == "pass" and b.rejected == 2
+
+
+def test_breaker_never_stays_half_open_on_a_lost_probe() -> None:
+    b = Breaker(failures=1, open_s=1.0, max_open_s=5.0)
+    b.failure(0.0)
+    assert b.admit(1.0) == "probe"            # ... never reported
+    assert b.admit(5.9) is None
+    assert b.admit(6.0) == "probe"            # after max_open_s: another one
+    b.probe_lost(6.5)                         # it never reached the store
+    assert state(b) == "open" and b.admit(6.5) == "probe" and b.open_s == 1.0
+
+
+def test_breaker_refuses_nonsense() -> None:
+    for kw in ({"failures": 0}, {"open_s": 0.0}, {"open_s": 5.0, "max_open_s": 1.0}):
+        with pytest.raises(ValueError):
+            Breaker(**kw)

@@ -48,6 +48,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-inflight", type=int, default=8)
     p.add_argument("--max-run-chunks", type=int, default=16)
     p.add_argument("--trace-window-s", type=float, default=5.0)
+    p.add_argument("--breaker-failures", type=int, default=3)
+    p.add_argument("--breaker-open-s", type=float, default=2.0)
+    p.add_argument("--breaker-max-open-s", type=float, default=10.0)
     p.add_argument("--stats", default=None)
     p.add_argument("--workers", type=int, default=32)
     # Idle workers kept (--workers) and the most at once: a read waiting on a fetch holds
@@ -103,7 +106,11 @@ def main(argv: list[str] | None = None) -> None:
                 FsConfig(cache_dir=args.cache_dir, cache_bytes=args.cache_bytes,
                          retry_budget_s=args.retry_budget_s, max_inflight=args.max_inflight,
                          max_run_chunks=args.max_run_chunks,
-                         trace_window_s=args.trace_window_s, stats_path=args.stats))
+                         trace_window_s=args.trace_window_s, stats_path=args.stats,
+                         breaker_failures=args.breaker_failures,
+                         breaker_open_s=args.breaker_open_s,
+                         breaker_max_open_s=max(args.breaker_open_s,
+                                                args.breaker_max_open_s)))
     opts = set(pyfuse3.default_options)
     opts |= {"fsname=dsec-lazy", "subtype=dsec", "ro"}
     pyfuse3.init(fs, args.mount, opts)

@@ -41,6 +41,7 @@ import os
 import random
 import stat
 import sys
+import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -49,7 +50,7 @@ from typing import Any
 import pyfuse3
 import trio
 
-from dsec.edge.lazy.plan import ChunkLru, Run, backoff_delays, chunk_span, merge_runs
+from dsec.edge.lazy.plan import Breaker, ChunkLru, Run, backoff_delays, chunk_span, merge_runs
 from dsec.errors import BlobUnavailable, DsecError
 from dsec.image.blob import BlobStore, layer_key
 from dsec.image.chunks import ChunkTable, verify_chunk
@@ -96,6 +97,14 @@ class FsConfig:
     reads of cached chunks always find a free request slot and worker (F11)."""
     max_waiting_per_layer: int = 192
     """The same for one layer: one sandbox's misses never take every waiting slot."""
+    breaker_failures: int = 3
+    """Fetches in a row that ran out their retry budget on an unreachable store before
+    the store's circuit breaker opens: misses then fail with EIO at once (no request)
+    until a half-open probe answers (:class:`~dsec.edge.lazy.plan.Breaker`)."""
+    breaker_open_s: float = 2.0
+    """How long the breaker stays open before its probe; doubled after each failed
+    probe, up to ``breaker_max_open_s``."""
+    breaker_max_open_s: float = 10.0
     trace_window_s: float = 5.0
     """A layer's access trace is the chunks first read within this long of its first read."""
     stats_path: str | None = None
@@ -135,6 +144,8 @@ class Stats:
     prefetched_chunks: int = 0
     shed_reads: int = 0                  # misses refused at once: too many already waiting
     abandoned_fetches: int = 0           # blob reads given up at the retry budget
+    late_chunks: int = 0                 # chunks such a read wrote after it was given up
+    fast_failed_runs: int = 0            # fetches refused at once: the breaker was open
     fetch_buckets: list[int] = field(default_factory=lambda: [0] * (len(FETCH_BUCKETS_S) + 1))
     fetch_seconds_sum: float = 0.0
     per_chunk: dict[tuple[str, int], int] = field(default_factory=dict)
@@ -146,6 +157,23 @@ class Stats:
                 self.fetch_buckets[i] += 1
                 return
         self.fetch_buckets[-1] += 1
+
+
+@dataclass(slots=True, eq=False)
+class _Handoff:
+    """Who accounts for what one blob read's worker thread wrote to the chunk cache:
+    the trio side when it took the result, the thread itself when it was abandoned at
+    the retry budget (red team 17 F8) and finished later (its late chunks)."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    written: list[int] = field(default_factory=list)
+    done: bool = False          # the thread finished (returned or raised)
+    abandoned: bool = False     # the trio side gave up waiting for it
+
+
+class _Queued(BlobUnavailable):
+    """A fetch that never got a slot within the retry budget: a busy node, not a down
+    store (one sandbox flooding misses must not open the store's breaker for all)."""
 
 
 class _FetchFailed(Exception):
@@ -178,6 +206,11 @@ class LazyFs(pyfuse3.Operations):
         self.fetch_limiter = trio.CapacityLimiter(config.max_inflight)
         self.prefetch_limiter = trio.CapacityLimiter(config.max_prefetch_inflight)
         self.waiting = 0
+        self.breaker = Breaker(config.breaker_failures, config.breaker_open_s,
+                               config.breaker_max_open_s)
+        self._down_cause = ""            # the last failure that counted toward opening
+        self._fast_emitted: dict[str, float] = {}   # layer hex -> last fast-fail event
+        self._pinning: set[str] = set()             # pinned layers with a pass running
         os.makedirs(os.path.join(config.cache_dir, "traces"), mode=0o700, exist_ok=True)
 
     # ----------------------------------------------------------------- layers
@@ -384,17 +417,36 @@ class LazyFs(pyfuse3.Operations):
         started = time.monotonic()
         delays = backoff_delays(self.cfg.retry_budget_s, rng=self.rng)
         cause = ""
+        down = False
+        fast = False
         try:
             while todo:
                 unreachable = False
                 for r in merge_runs(todo, self._run_cap(lay, None)):
+                    admit = self.breaker.admit(time.monotonic())
+                    if admit is None:
+                        fast = True
+                        raise _FetchFailed(self._open_cause())
                     try:
                         got = await self._request(lay, r, prefetch,
                                                   started + self.cfg.retry_budget_s)
                     except (DsecError, OSError) as exc:
                         cause = f"{type(exc).__name__}: {exc}"
+                        # unreachable (refused, 5xx, timeouts, the budget) - not an
+                        # answer such as a missing key
+                        down = isinstance(exc, (BlobUnavailable, OSError)) \
+                            and not isinstance(exc, _Queued)
+                        if admit == "probe":
+                            if isinstance(exc, _Queued):
+                                self.breaker.probe_lost(time.monotonic())
+                                raise _FetchFailed(cause) from None
+                            if down:
+                                self._breaker_failure(cause, probe=True)
+                                raise _FetchFailed(cause) from None
+                            self._breaker_success()     # an answer: the store is up
                         unreachable = True
                         break
+                    self._breaker_success()
                     for i in got.bad:
                         self.stats.verify_failures += 1
                         if i in bad_seen:
@@ -415,6 +467,8 @@ class LazyFs(pyfuse3.Operations):
                 d = next(delays, None)
                 # bounded in wall time too: one blob call may itself retry for a while
                 if d is None or time.monotonic() - started + d > self.cfg.retry_budget_s:
+                    if down:
+                        self._breaker_failure(cause)
                     raise _FetchFailed(cause)
                 self.stats.retries += 1
                 await trio.sleep(d)
@@ -424,13 +478,37 @@ class LazyFs(pyfuse3.Operations):
                    f"sha256:{lay.hex} from {self.blob.url} failed after {elapsed:.1f}s "
                    f"(retry budget {self.cfg.retry_budget_s:g}s): {exc.cause}")
             failures.append(msg)
-            _emit({"ev": "fetch_failed", "layer": lay.hex, "first": run.first,
-                   "count": run.count, "cause": msg, "prefetch": prefetch})
+            if fast:
+                self.stats.fast_failed_runs += 1
+            # a fast failure per miss would be a line per read: one a second per layer
+            now = time.monotonic()
+            if not fast or now - self._fast_emitted.get(lay.hex, -1e9) >= 1.0:
+                if fast:
+                    self._fast_emitted[lay.hex] = now
+                _emit({"ev": "fetch_failed", "layer": lay.hex, "first": run.first,
+                       "count": run.count, "cause": msg, "prefetch": prefetch})
         finally:
             for i in range(run.first, run.first + run.count):
                 ev = self.inflight.pop((lay.hex, i), None)
                 if ev is not None:
                     ev.set()
+
+    def _open_cause(self) -> str:
+        return (f"the blob store {self.blob.url} is down ({self.cfg.breaker_failures} "
+                "fetches in a row ran out their retry budget; last: "
+                f"{self._down_cause[:300]}): reads of chunks not cached on this node fail "
+                "at once until a probe request answers (next in "
+                f"{self.breaker.retry_in(time.monotonic()):.1f}s)")
+
+    def _breaker_failure(self, cause: str, *, probe: bool = False) -> None:
+        self._down_cause = cause
+        if self.breaker.failure(time.monotonic(), probe=probe):
+            _emit({"ev": "store_down", "store": self.blob.url, "cause": cause[:500],
+                   "open_s": self.breaker.open_s})
+
+    def _breaker_success(self) -> None:
+        if self.breaker.success():
+            _emit({"ev": "store_up", "store": self.blob.url})
 
     @dataclass(slots=True)
     class _Got:
@@ -443,39 +521,68 @@ class LazyFs(pyfuse3.Operations):
         worker thread); the chunks are not yet marked present. Given up (BlobUnavailable)
         at ``deadline`` (monotonic), whatever the blob call is doing: a store that
         trickles its answer cannot hold a reader past the retry budget (red team 17 F8).
-        The abandoned thread ends within its client's own per-attempt bound; what it
-        writes is verified chunk data that nobody marks present (re-verified if read)."""
+        The abandoned thread ends within its client's own per-attempt bound; the verified
+        chunks it writes then are still counted against the cache budget: it hands them
+        to the trio thread (:meth:`_adopt_late`), which records them as chunks to verify
+        before serving, evicting others to fit (before, they took disk outside the LRU's
+        budget, and a chunk punched out meanwhile came back uncounted)."""
         t = lay.table
         off, length = run.byte_range(t.chunk_size, t.size)
         limiter = self.prefetch_limiter if prefetch else None
+        hand = _Handoff()
+        token = trio.lowlevel.current_trio_token()
 
         def work() -> LazyFs._Got:
-            t0 = time.monotonic()
-            data = self.blob.get_range(layer_key(t.digest), off, length)
-            self.stats.observe(time.monotonic() - t0)
-            good, bad = [], []
-            view = memoryview(data)
-            for i in range(run.first, run.first + run.count):
-                c_off, c_len = t.chunk_range(i)
-                piece = view[c_off - off:c_off - off + c_len]
-                if verify_chunk(t, i, piece):
-                    os.pwrite(lay.fd, piece, c_off)
-                    good.append(i)
-                else:
-                    bad.append(i)
-            return LazyFs._Got(good, bad)
+            try:
+                t0 = time.monotonic()
+                data = self.blob.get_range(layer_key(t.digest), off, length)
+                self.stats.observe(time.monotonic() - t0)
+                good, bad = [], []
+                view = memoryview(data)
+                for i in range(run.first, run.first + run.count):
+                    c_off, c_len = t.chunk_range(i)
+                    piece = view[c_off - off:c_off - off + c_len]
+                    if verify_chunk(t, i, piece):
+                        os.pwrite(lay.fd, piece, c_off)
+                        with hand.lock:
+                            hand.written.append(i)
+                        good.append(i)
+                    else:
+                        bad.append(i)
+                return LazyFs._Got(good, bad)
+            finally:
+                with hand.lock:
+                    hand.done = True
+                    late = hand.abandoned and bool(hand.written)
+                if late:
+                    with contextlib.suppress(trio.RunFinishedError):
+                        token.run_sync_soon(self._adopt_late, lay, list(hand.written))
 
         assert lay.limiter is not None
         self.stats.requests += 1
+        sent = False
         with trio.move_on_after(max(0.0, deadline - time.monotonic())) as scope:
             async with contextlib.AsyncExitStack() as slots:
                 if limiter is not None:
                     await slots.enter_async_context(limiter)
                 await slots.enter_async_context(lay.limiter)
                 await slots.enter_async_context(self.fetch_limiter)
+                sent = True
                 got = await trio.to_thread.run_sync(work, abandon_on_cancel=True)
         if scope.cancelled_caught:
+            if not sent:
+                # never got a fetch slot: this node's own queue, not the store, was slow
+                raise _Queued(
+                    f"blob store {self.blob.url}: {length} bytes at {off} of layer "
+                    f"{t.digest} waited the whole retry budget of "
+                    f"{self.cfg.retry_budget_s:g}s for a fetch slot (this node's fetches "
+                    "are saturated)", store=self.blob.url)
             self.stats.abandoned_fetches += 1
+            with hand.lock:
+                hand.abandoned = True
+                finished = hand.done     # it ended as we gave up: its result is ours
+            if finished and hand.written:
+                self._adopt_late(lay, list(hand.written))
             raise BlobUnavailable(
                 f"blob store {self.blob.url}: no answer for {length} bytes at {off} of "
                 f"layer {t.digest} within the retry budget of {self.cfg.retry_budget_s:g}s",
@@ -483,8 +590,24 @@ class LazyFs(pyfuse3.Operations):
         self.stats.bytes_fetched += sum(t.chunk_range(i)[1] for i in got.good)
         return got
 
+    def _adopt_late(self, lay: _Layer, chunks: list[int]) -> None:
+        """Chunks an abandoned blob read wrote after it was given up (trio thread):
+        counted in the LRU as chunks on disk to verify before serving (a chunk punched
+        out between its late write and now reads as zeros and fails that check), so the
+        cache stays within its budget. Chunks already counted are left alone."""
+        if self.layers.get(lay.hex) is not lay:
+            return                                  # the daemon is closing
+        for i in chunks:
+            if i in lay.present or i in lay.stale:
+                continue
+            lay.stale.add(i)
+            self.stats.late_chunks += 1
+            for k in self.lru.add((lay.hex, i), lay.table.chunk_range(i)[1]):
+                self._evict(k)
+
     def _stored(self, lay: _Layer, i: int) -> None:
         lay.present.add(i)
+        lay.stale.discard(i)         # a late write of it was adopted meanwhile
         self.stats.chunk_fetches += 1
         key = (lay.hex, i)
         self.stats.per_chunk[key] = self.stats.per_chunk.get(key, 0) + 1
@@ -511,22 +634,46 @@ class LazyFs(pyfuse3.Operations):
             return
         if pin:
             self.lru.pinned.add(hx)
-        want = range(lay.table.count) if chunks is None else \
-            [i for i in chunks if 0 <= i < lay.table.count]
-        self._check_stale(lay, want)
-        todo = [i for i in want if i not in lay.present]
+            if hx in self._pinning:
+                return               # a pass of this pin is running (and will retry)
+            self._pinning.add(hx)
+        try:
+            await self._prefetch(lay, chunks, pin=pin)
+        finally:
+            if pin:
+                self._pinning.discard(hx)
+        _emit({"ev": "prefetched", "layer": hx, "pinned": pin,
+               "present": len(lay.present), "chunks": lay.table.count})
+
+    async def _prefetch(self, lay: _Layer, chunks: Iterable[int] | None, *,
+                        pin: bool) -> None:
+        hx = lay.hex
+        chunks = None if chunks is None else list(chunks)
         # Small runs, in trace order: a reader that needs a chunk a prefetch has in
         # flight waits for that whole run (measured: 16-chunk prefetch runs made a traced
         # second start 3x slower than the first on a disk-backed store; see the bench).
         run = self.cfg.prefetch_run_chunks
         batch = run * self.cfg.max_prefetch_inflight
-        for k in range(0, len(todo), batch):
-            part = [i for i in todo[k:k + batch] if i not in lay.present]
-            with contextlib.suppress(_FetchFailed):
-                await self._ensure(lay, part, prefetch=True, max_run=run)
-            self.stats.prefetched_chunks += sum(1 for i in part if i in lay.present)
-        _emit({"ev": "prefetched", "layer": hx, "pinned": pin,
-               "present": len(lay.present), "chunks": lay.table.count})
+        wait = self.cfg.breaker_open_s
+        while True:
+            want = range(lay.table.count) if chunks is None else \
+                [i for i in chunks if 0 <= i < lay.table.count]
+            self._check_stale(lay, want)
+            todo = [i for i in want if i not in lay.present]
+            for k in range(0, len(todo), batch):
+                part = [i for i in todo[k:k + batch] if i not in lay.present]
+                with contextlib.suppress(_FetchFailed):
+                    await self._ensure(lay, part, prefetch=True, max_run=run)
+                self.stats.prefetched_chunks += sum(1 for i in part if i in lay.present)
+            if not pin or hx not in self.lru.pinned \
+                    or all(i in lay.present for i in want):
+                break
+            # A pinned layer left incomplete (the store was down - the breaker fails the
+            # rest of the pass at once - or served corrupt chunks): go on once the store
+            # may answer again, for as long as it stays pinned. Before, a pin made during
+            # an outage stayed incomplete until the daemon restarted.
+            await trio.sleep(max(wait, self.breaker.retry_in(time.monotonic())))
+            wait = min(wait * 2, 60.0)
 
     def _trace(self, lay: _Layer, span: range) -> None:
         if lay.trace_done:
@@ -575,6 +722,8 @@ class LazyFs(pyfuse3.Operations):
             "verify_failures": s.verify_failures, "failed_reads": s.failed_reads,
             "evictions": s.evictions, "prefetched_chunks": s.prefetched_chunks,
             "shed_reads": s.shed_reads, "abandoned_fetches": s.abandoned_fetches,
+            "late_chunks": s.late_chunks, "fast_failed_runs": s.fast_failed_runs,
+            "breaker_state": self.breaker.state, "breaker_opens": self.breaker.opens,
             "cache_bytes": self.lru.bytes, "cache_budget_bytes": self.lru.budget_bytes,
             "fetch_buckets": list(s.fetch_buckets), "fetch_bounds": list(FETCH_BUCKETS_S),
             "fetch_seconds_sum": s.fetch_seconds_sum,

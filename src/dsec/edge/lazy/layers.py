@@ -99,6 +99,13 @@ class LazyConfig(msgspec.Struct, frozen=True, kw_only=True):
     """How long a fetch retries an unreachable blob store before reads fail with EIO."""
     max_inflight: int = 8
     """Ranged requests to the blob store at once."""
+    breaker_failures: int = 3
+    """Fetches in a row that ran out ``retry_budget_s`` on an unreachable store before
+    its circuit breaker opens: then misses fail with EIO at once, not after the budget,
+    until a probe request answers (``dsec.edge.lazy.plan.Breaker``)."""
+    breaker_open_s: float = 2.0
+    """Time between probes of a store found down (doubling up to ``breaker_max_open_s``)."""
+    breaker_max_open_s: float = 10.0
     trace_window_s: float = 5.0
     """A layer's access trace: chunks first read within this long of its first read."""
     restart: bool = True
@@ -180,7 +187,10 @@ class LazyLayers:
                 "--cache-dir", c.cache_dir, "--blob-store", c.blob_url,
                 "--retry-budget-s", str(c.retry_budget_s),
                 "--max-inflight", str(c.max_inflight),
-                "--trace-window-s", str(c.trace_window_s), "--stats", self.stats_path]
+                "--trace-window-s", str(c.trace_window_s), "--stats", self.stats_path,
+                "--breaker-failures", str(c.breaker_failures),
+                "--breaker-open-s", str(c.breaker_open_s),
+                "--breaker-max-open-s", str(c.breaker_max_open_s)]
         if c.cache_bytes is not None:
             argv += ["--cache-bytes", str(c.cache_bytes)]
         proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -216,6 +226,12 @@ class LazyLayers:
                     self._stats_ack = max(self._stats_ack, int(ev.get("seq") or 0))
                     self._stats_cv.notify_all()
                 continue
+            if ev.get("ev") == "store_down":
+                log.warning("blob store %s is down, lazy reads of uncached chunks fail "
+                            "at once for %ss (then one probe): %s", ev.get("store"),
+                            ev.get("open_s"), ev.get("cause"))
+            elif ev.get("ev") == "store_up":
+                log.warning("blob store %s answers again", ev.get("store"))
             if self.on_event is not None:
                 try:
                     self.on_event(ev)
@@ -504,7 +520,7 @@ class LazyLayers:
 _COUNTERS = ("reads", "bytes_read", "chunk_hits", "chunk_misses", "waits", "requests",
              "chunk_fetches", "bytes_fetched", "retries", "verify_failures", "failed_reads",
              "evictions", "prefetched_chunks", "fetch_seconds_sum", "shed_reads",
-             "abandoned_fetches")
+             "abandoned_fetches", "late_chunks", "fast_failed_runs", "breaker_opens")
 
 
 def _add_counters(carried: dict[str, Any], now: dict[str, Any]) -> dict[str, Any]:

@@ -8,8 +8,9 @@ import random
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import Literal
 
-__all__ = ["ChunkLru", "Run", "backoff_delays", "chunk_span", "merge_runs"]
+__all__ = ["Breaker", "ChunkLru", "Run", "backoff_delays", "chunk_span", "merge_runs"]
 
 ChunkKey = tuple[str, int]
 """(layer digest hex, chunk index)."""
@@ -119,3 +120,85 @@ class ChunkLru:
 
     def keys(self) -> list[ChunkKey]:
         return list(self._order)
+
+
+Admit = Literal["pass", "probe"]
+
+
+class Breaker:
+    """The blob store's circuit breaker: after ``failures`` fetches in a row ran out
+    their retry budget on an unreachable store, it **opens** - misses fail with EIO at
+    once, no request sent - for ``open_s``; then it lets **one** request through (the
+    half-open probe) while every other miss still fails at once. The probe answering
+    closes it; the probe failing opens it again for twice as long (at most
+    ``max_open_s``). Any answered request closes it and clears the count.
+
+    Why: without it, every read of an uncached chunk during an outage waits the whole
+    retry budget (10 s) before its EIO, and a sandbox walking a tree of N missing files
+    hangs N x 10 s; with it, the first ``failures`` x budget seconds find the store down
+    and the rest of the outage costs one request per ``open_s``. Only an unreachable
+    store counts (connection refused, 5xx, timeouts, the budget running out), never a
+    corrupt chunk or a missing key: those say nothing about other layers' reads.
+
+    Pure: ``now`` (monotonic seconds) is passed in."""
+
+    def __init__(self, failures: int = 3, open_s: float = 2.0, max_open_s: float = 10.0
+                 ) -> None:
+        if failures < 1 or open_s <= 0 or max_open_s < open_s:
+            raise ValueError(f"breaker: failures={failures} must be >= 1 and "
+                             f"0 < open_s={open_s} <= max_open_s={max_open_s}")
+        self.failures, self.base_open_s, self.max_open_s = failures, open_s, max_open_s
+        self.state: Literal["closed", "open", "half_open"] = "closed"
+        self.count = 0                 # consecutive failures while closed
+        self.open_s = open_s           # the current (doubling) open time
+        self.until = 0.0               # open until (monotonic)
+        self.opens = 0                 # times it opened (a counter for metrics)
+        self.rejected = 0              # requests refused while open / half-open
+
+    def admit(self, now: float) -> Admit | None:
+        """May a request go to the store now? ``"pass"`` (closed), ``"probe"`` (this one
+        is the half-open probe: send one attempt, report it), or None (fail fast)."""
+        if self.state == "closed":
+            return "pass"
+        if now >= self.until:
+            # open and its time is up; or half-open and the probe was never reported
+            # (lost): a new probe, so a breaker can never stay half-open for good
+            self.state, self.until = "half_open", now + self.max_open_s
+            return "probe"
+        self.rejected += 1
+        return None
+
+    def retry_in(self, now: float) -> float:
+        """Seconds until the next probe may go (0 when closed or a probe is out)."""
+        return max(0.0, self.until - now) if self.state == "open" else 0.0
+
+    def success(self) -> bool:
+        """A request was answered: closed. True when this closed an open breaker."""
+        was = self.state != "closed"
+        self.state, self.count, self.open_s = "closed", 0, self.base_open_s
+        return was
+
+    def failure(self, now: float, *, probe: bool = False) -> bool:
+        """A fetch found the store unreachable (a closed breaker: its whole retry budget;
+        a probe: its one attempt). True when this opened the breaker. Failures of
+        fetches that started before it opened change nothing while it is open."""
+        if probe and self.state == "half_open":
+            self.open_s = min(self.open_s * 2, self.max_open_s)
+            return self._open(now)
+        if self.state != "closed":
+            return False
+        self.count += 1
+        if self.count >= self.failures:
+            return self._open(now)
+        return False
+
+    def probe_lost(self, now: float) -> None:
+        """The probe never reached the store (it waited for a fetch slot): it says
+        nothing either way, so the next miss probes again."""
+        if self.state == "half_open":
+            self.state, self.until = "open", now
+
+    def _open(self, now: float) -> bool:
+        self.state, self.until, self.count = "open", now + self.open_s, 0
+        self.opens += 1
+        return True
