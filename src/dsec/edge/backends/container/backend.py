@@ -1475,6 +1475,8 @@ class ContainerBackend:
                 and not self.governor.list_sandboxes():
             self.governor.remove_base()
             release_cgroup_name(self.cgroup_name, self.root_dir)
+            if self._runsc is not None:   # no control socket left in its namespace
+                self._runsc.release()
         if self.shared_sysfs:
             # Always: sandboxes left running for a later adopt() keep their own binds of
             # it (their /sys/class/net reads empty once its namespace goes); the next

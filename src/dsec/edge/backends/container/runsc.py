@@ -51,6 +51,17 @@ the same directories) and the hardening in ``config.json`` are the runc driver's
   fail inside (ENOMEM); but the Sentry's own overhead can tip the cgroup over first,
   and then the host OOM-kills the Sentry and the whole sandbox stops (reported as
   ``oom``), where a native sandbox loses one process. Which happens is a race.
+- **Its control sockets are in a network namespace of the driver's own**: runsc binds
+  each sandbox's control server on the abstract Unix socket ``@runsc-sandbox.<id>`` in
+  the netns of whoever ran ``runsc run``, and abstract sockets have no file mode. The
+  Sentry's server admits a peer whose uid equals its own getuid() - 65534 in the user
+  namespace runsc gives it, where every unmapped host uid also reads as 65534 - so in
+  the host netns every host user could call ``containerManager.ExecuteAsync`` (a root
+  shell inside), ``Processes`` or ``Checkpoint`` (found by hx, test
+  tests/security/hx_hardening/test_gvisor_control_socket.py). Every runsc command runs
+  under ``nsenter --net=<root_dir>/control.netns`` (a namespace pinned there, kept across
+  edge restarts so re-adopted sandboxes stay reachable; ~1 ms per command), and the
+  platform probe's ``runsc do`` in a throwaway one (``unshare --net``).
 - **Logs**: ``run``'s log goes to a pipe read only while ``run`` runs, then closed: the
   Sentry and gofer keep the log descriptor for their lives, and a file there would be
   host disk a sandbox could fill (warnings it provokes) after its unlink.
@@ -89,6 +100,7 @@ from dsec.edge.backends.container.runc import (
 )
 from dsec.edge.governor import ExecCgroup
 from dsec.errors import BackendError, CannotRun, DsecError, InvalidArgument
+from dsec.net.netns import new_netns, open_pinned, pin, unpin
 from dsec.net.seccomp import compile_profile
 from dsec.wire.spec import ExecChunk, ExecRequest, ExecResult
 
@@ -113,6 +125,7 @@ log = logging.getLogger("dsec.edge.container.runsc")
 #: the sandbox's pids.max on the host, so ``pids_max`` still means about what the
 #: sandbox's own processes may number (each of them is also a host stub task on ptrace)
 SENTRY_PIDS = 256
+CONTROL_NETNS = "control.netns"   # under root_dir: the netns runsc commands run in
 CREATE_TIMEOUT_S = 60.0           # a platform that hangs (kvm on PVM) must not hang create
 
 # Kills, from inside the sandbox, every task of session/process group $1 and every
@@ -167,8 +180,9 @@ def _probe_one(binary: str, state: str, platform: str, timeout_s: float) -> bool
     session: ours, unreaped, so its id names nobody else) is killed."""
     if platform == "kvm" and not os.access("/dev/kvm", os.R_OK | os.W_OK):
         return False
-    proc = subprocess.Popen(
-        [binary, "--root", state, f"--platform={platform}", "--network=none",
+    proc = subprocess.Popen(   # a netns of its own: the probe's control socket (below)
+        ["unshare", "--net", "--", binary, "--root", state, f"--platform={platform}",
+         "--network=none",
          "do", "/bin/true"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL, start_new_session=True)
     try:
@@ -299,6 +313,25 @@ def write_helpers(parent: str, *, busybox: str, nsexec: str, seccomp: bytes) -> 
     return path
 
 
+def pin_control_netns(path: str) -> str:
+    """A private network namespace pinned at ``path`` (the one already pinned there,
+    e.g. by the edge before a restart, is kept): where runsc's abstract control sockets
+    live, out of host users' reach (module docstring)."""
+    fd = open_pinned(path)
+    if fd is None:
+        fd = new_netns()
+        try:
+            pin(fd, path)
+        except OSError as exc:
+            raise BackendError(f"cannot pin the gvisor tier's control network namespace "
+                               f"at {path}: {exc}") from exc
+        finally:
+            os.close(fd)
+    else:
+        os.close(fd)
+    return path
+
+
 def _caller_mistake(err: str) -> int | None:
     """127 (no such program), 126 (no such cwd) for ``runsc exec``'s error text, or None."""
     if "failed to find initial working directory" in err:
@@ -330,6 +363,16 @@ class RunscDriver(RuncDriver):
         self.nsexec = ensure_nsexec()
         self.root_dir = root_dir
         self._helpers: dict[bool, str] = {}
+        self.control_netns = pin_control_netns(os.path.join(root_dir, CONTROL_NETNS))
+
+    def _launcher(self) -> list[str]:
+        return ["nsenter", f"--net={self.control_netns}", "--"]
+
+    def release(self) -> None:
+        """Unpin the control namespace (only when no sandbox of this root is left: a
+        live one's control socket is in it)."""
+        with contextlib.suppress(OSError):
+            unpin(self.control_netns)
 
     def _global_args(self) -> list[str]:
         return [f"--platform={self.platform}", "--network=none", "--overlay2=none",
@@ -415,7 +458,8 @@ class RunscDriver(RuncDriver):
         try:
             try:
                 proc = await asyncio.create_subprocess_exec(
-                    self.binary, "--root", self.state_root, "--log-fd", str(w),
+                    *self._launcher(), self.binary, "--root", self.state_root,
+                    "--log-fd", str(w),
                     "--log-format", "json", *self._global_args(), *args,
                     stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
                     stderr=asyncio.subprocess.DEVNULL, pass_fds=(w,))
@@ -544,7 +588,8 @@ class RunscDriver(RuncDriver):
                           t0: float) -> ExecResult:
         log = os.path.join(self.state_root, f".log-{self._owner}-{next(self._seq)}")
         proc, pump, feeder = await self._spawn_piped(
-            [self.binary, "--root", self.state_root, "--log", log, "--log-format", "json",
+            [*self._launcher(), self.binary, "--root", self.state_root, "--log", log,
+             "--log-format", "json",
              *self._global_args(), *args], req, on_chunk)
         timed_out = False
         died = asyncio.ensure_future(box.exited.wait())
