@@ -214,6 +214,23 @@ class ClusterConfig:
     e2b_tls_key: str | None = None
 
 
+#: the edges' metrics scrape token in the state dir (dsec up --edge-metrics-port)
+METRICS_TOKEN_FILE = "metrics.token"
+
+
+def metrics_token_file(state_dir: str) -> str:
+    """``<state_dir>/metrics.token`` (made once, 0600, random): the bearer token the
+    edges' metrics listeners ask of a scraper (dsec.edge.metrics)."""
+    path = os.path.join(state_dir, METRICS_TOKEN_FILE)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    except FileExistsError:
+        return path
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_urlsafe(32) + "\n")
+    return path
+
+
 def _port_token_key(state_dir: str) -> bytes:
     """The key of exposed ports' URL tokens (docs/ports.md), made once and kept in the
     (0700) state dir, 0600: a restarted apiserver still honours the URLs it handed out.
@@ -492,7 +509,8 @@ class ClusterRuntime:
                 "--log-format", cfg.edge_log_format]
         if cfg.edge_metrics_port is not None and node in self.node_ids:
             argv += ["--metrics-listen",
-                     f"127.0.0.1:{cfg.edge_metrics_port + self.node_ids.index(node)}"]
+                     f"127.0.0.1:{cfg.edge_metrics_port + self.node_ids.index(node)}",
+                     "--metrics-token-file", metrics_token_file(cfg.state_dir)]
         if cap.disk_bytes is not None:
             argv += ["--disk-bytes", str(cap.disk_bytes)]
         for b in self._local_backends():
