@@ -1524,6 +1524,12 @@ class ContainerBackend:
                     box.netns_fd = slot.fd
         if self._runc is not None:
             self._runc.sweep_logs()
+        if self._runsc is not None:   # after adoption: what the live sandboxes bind stays
+            gone = await asyncio.to_thread(
+                self._runsc.gc_helpers, [b.dir for b in self._boxes.values()])
+            if gone:
+                log.info("gvisor: removed %d old helper dir(s): %s", len(gone),
+                         ", ".join(gone))
         # Parents an earlier process (in another cgroup) made: gone once empty.
         for parent in recorded_parents(self.root_dir, self.cgroup_name):
             if parent not in self._own_parents:

@@ -83,7 +83,8 @@ import stat
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Set as AbstractSet
 
 from dsec.edge.backends.container import linux
 from dsec.edge.backends.container.box import Box
@@ -104,9 +105,22 @@ from dsec.net.netns import new_netns, open_pinned, pin, unpin
 from dsec.net.seccomp import compile_profile
 from dsec.wire.spec import ExecChunk, ExecRequest, ExecResult
 
-__all__ = ["BUSYBOX", "BUSYBOX_IN", "HELPERS_IN", "HIDDEN_PREFIXES", "KILL_SCRIPT", "PLATFORMS",
-           "RunscDriver", "choose_platform", "listed_platforms", "probe_platform",
-           "runsc_config", "write_helpers"]
+__all__ = [
+    "BUSYBOX",
+    "BUSYBOX_IN",
+    "HELPERS_IN",
+    "HIDDEN_PREFIXES",
+    "KILL_SCRIPT",
+    "PLATFORMS",
+    "RunscDriver",
+    "choose_platform",
+    "helpers_bound",
+    "listed_platforms",
+    "probe_platform",
+    "runsc_config",
+    "stale_helpers",
+    "write_helpers",
+]
 
 #: platforms by preference (fastest first): systrap (seccomp traps, gVisor >= 2023),
 #: kvm (hardware virtualisation, needs a usable /dev/kvm), ptrace (works everywhere)
@@ -313,6 +327,41 @@ def write_helpers(parent: str, *, busybox: str, nsexec: str, seccomp: bytes) -> 
     return path
 
 
+#: a ``.build-*`` directory younger than this may be a maker's in flight
+BUILD_KEEP_S = 600.0
+
+
+def stale_helpers(names: Sequence[str], keep: AbstractSet[str], ages: dict[str, float],
+                  *, build_keep_s: float = BUILD_KEEP_S) -> list[str]:
+    """The entries of the helpers parent to remove (pure): every content directory no
+    sandbox binds and this driver does not use (``keep``: names), and ``.build-*`` left
+    over older than ``build_keep_s`` (``ages``: seconds since their mtime)."""
+    out = []
+    for n in names:
+        if n.startswith(".build-"):
+            if ages.get(n, 0.0) > build_keep_s:
+                out.append(n)
+        elif n not in keep:
+            out.append(n)
+    return sorted(out)
+
+
+def helpers_bound(config_paths: Iterable[str]) -> set[str]:
+    """The host directories the bundles at ``config_paths`` bind at :data:`HELPERS_IN`
+    (a bundle that cannot be read binds nothing we could know of)."""
+    out = set()
+    for path in config_paths:
+        try:
+            with open(path, "rb") as f:
+                cfg = json.loads(f.read(1 << 22))
+            for m in cfg.get("mounts") or ():
+                if isinstance(m, dict) and m.get("destination") == HELPERS_IN:
+                    out.add(os.path.realpath(str(m.get("source"))))
+        except (OSError, ValueError, AttributeError):
+            continue
+    return out
+
+
 def pin_control_netns(path: str) -> str:
     """A private network namespace pinned at ``path`` (the one already pinned there,
     e.g. by the edge before a restart, is kept): where runsc's abstract control sockets
@@ -395,6 +444,35 @@ class RunscDriver(RuncDriver):
                 os.path.join(self.root_dir, "runsc-helpers"), busybox=self.busybox,
                 nsexec=self.nsexec, seccomp=compile_profile(allow_nested=nested))
         return self._helpers[nested]
+
+    def gc_helpers(self, box_dirs: Iterable[str]) -> list[str]:
+        """Remove the helper directories (``<root_dir>/runsc-helpers/<digest>``) that no
+        sandbox in ``box_dirs`` binds and this driver does not use: every edge upgrade
+        that changes nsexec, busybox or the seccomp profile made a new one, and nothing
+        removed the old (hx). A directory a live sandbox binds must stay whole: the bind
+        shares its inodes, so deleting inside it would delete in the sandbox too.
+        Returns the names removed (blocking: run in a thread)."""
+        parent = os.path.join(self.root_dir, "runsc-helpers")
+        try:
+            entries = {e.name: e for e in os.scandir(parent)}
+        except FileNotFoundError:
+            return []
+        keep = {os.path.basename(p) for p in self._helpers.values()}
+        keep |= {os.path.basename(p) for p in helpers_bound(
+            os.path.join(d, "config.json") for d in box_dirs)
+            if os.path.dirname(p) == os.path.realpath(parent)}
+        now = time.time()
+        ages = {}
+        for n, e in entries.items():
+            with contextlib.suppress(OSError):
+                ages[n] = now - e.stat(follow_symlinks=False).st_mtime
+        gone = stale_helpers(sorted(entries), keep, ages)
+        for n in gone:
+            path = os.path.join(parent, n)
+            with contextlib.suppress(OSError):
+                os.chmod(path, 0o700)   # made 0555: its entries cannot go otherwise
+            shutil.rmtree(path, ignore_errors=True)
+        return gone
 
     def files(self, box: Box, **kw: object) -> SandboxFiles:
         """The sandbox's files: its overlay root as the gofer serves it (the Sentry's own
