@@ -26,6 +26,11 @@ root = [pytest.mark.root,
 OLD = time.time() - 7200
 
 
+def _write(path: str) -> None:
+    with open(path, "w") as f:
+        f.write("erofs")
+
+
 def _plant_dir(path: str, *, mode: int = 0o555) -> None:
     os.makedirs(path)
     with open(os.path.join(path, "nsexec"), "w") as f:
@@ -101,11 +106,9 @@ async def test_vm_packed_layers_not_attached_go(tmp_path: object, images_dir: st
         for n in attached:   # old, but attached: stays
             os.utime(os.path.join(layers, n), (OLD, OLD))
         for n in ("0123456789abcdef01234567.erofs", "fedcba.erofs.77.tmp"):
-            with open(os.path.join(layers, n), "w") as f:
-                f.write("an image directory as it was before it changed")
+            _write(os.path.join(layers, n))   # as the image directory was before
             os.utime(os.path.join(layers, n), (OLD, OLD))
-        with open(os.path.join(layers, "fresh.erofs"), "w") as f:
-            f.write("packed a moment ago for a create still launching")
+        _write(os.path.join(layers, "fresh.erofs"))   # packed for a create launching now
         await b.reconcile({sid})
         assert sorted(os.listdir(layers)) == sorted([*attached, "fresh.erofs"])
         r = await b.exec(sid, ExecRequest(shell="echo ok", timeout_s=60))
