@@ -492,10 +492,12 @@ def _die_with_supervisor(pid: int) -> None:
                    "[default: 90% of its root dir's free space]; with --backend container "
                    "--backend gvisor, split evenly between their two pools.")
 @click.option("--pids-share", "pids_share", type=click.FloatRange(0, 1, min_open=True),
-              default=1.0, show_default=True, metavar="FRACTION",
+              default=None, metavar="FRACTION",
               help="This edge's fraction of the host's pid budget (kernel.pid_max minus "
                    "the headroom), split between the tiers it runs; `dsec up` gives each "
-                   "of N edges on one host 1/N.")
+                   "of N edges on one host 1/N. [default: 1, the whole budget: with "
+                   "other edges on the host give each a share, summing to at most 1; "
+                   "the edge warns when it finds others running]")
 @click.option("--ready-fd", type=int, default=None, hidden=True,
               help="Write 'ready' to this inherited fd once serving (for a supervisor).")
 @click.option("--supervisor-pid", type=int, default=None, hidden=True,
@@ -563,11 +565,14 @@ def edge(listen: str, state_dir: str | None, journal_sync: str, backends: tuple[
          advertise: str | None, blob_store: str | None,
          lazy_cache_bytes: int | None, log_format: str = "text",
          qos_be_only: tuple[str, ...] = (), memory_pressure: bool = False,
-         paused_retention_s: float | None = None, pids_share: float = 1.0,
+         paused_retention_s: float | None = None, pids_share: float | None = None,
          metrics_token_file: str | None = None, metrics_public: bool = False) -> None:
     """Run an edge node: sandboxes on this machine, served over Aether."""
     from dsec.nofile import raise_nofile  # dens: soft RLIMIT_NOFILE to hard (issue 22)
     metrics_token = _metrics_token(metrics_listen, metrics_token_file, metrics_public)
+    if pids_share is None:
+        _warn_shared_pid_budget(backends)
+        pids_share = 1.0
     raise_nofile()
     # A stop before the loop serves (SIGTERM from a supervisor, ^C) unwinds like one
     # after: every finally below runs, so nothing the start made stays mounted,
@@ -747,6 +752,27 @@ def _edge_main(owned: list[Any], built: dict[str, Any], served: list[bool], list
                           served, metrics_listen, ssl_ctx, metrics_token))
     except DsecError as exc:
         raise click.ClickException(str(exc)) from exc
+
+
+def _warn_shared_pid_budget(backends: tuple[str, ...] | list[str], *,
+                            names_dir: str | None = None) -> None:
+    """Warn (hx) when this edge takes the whole pid budget by default while other dsec
+    edges run on the host: each caps its own sandboxes only, so together they may hold
+    N times the budget and exhaust the host's pid table. Not an automatic split: an
+    edge started earlier keeps the share it took, so only shares given to every edge
+    (``--pids-share``, summing to at most 1; ``dsec up`` does it) are safe."""
+    if not any(b in ("container", "gvisor", "vm", "fncall") for b in backends):
+        return
+    from dsec.edge.backends.container.census import NAMES_DIR, other_edges
+
+    others = other_edges(names_dir=names_dir or NAMES_DIR)
+    if others:
+        logging.getLogger("dsec.edge").warning(
+            "other dsec edges run on this host (pids %s, roots %s) and this one takes the "
+            "whole pid budget (no --pids-share): together their sandboxes may exhaust the "
+            "host's pid table; give every edge --pids-share so the shares sum to at most 1",
+            ", ".join(map(str, sorted(others))),
+            ", ".join(sorted({r for roots in others.values() for r in roots})))
 
 
 def _metrics_token(listen: str | None, token_file: str | None,
