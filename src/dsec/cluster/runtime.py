@@ -47,6 +47,7 @@ import os
 import secrets
 import signal
 import socket
+import stat
 import time
 from collections import deque
 from collections.abc import Mapping
@@ -231,6 +232,25 @@ def metrics_token_file(state_dir: str) -> str:
     return path
 
 
+def check_key_file(path: str, st: os.stat_result) -> None:
+    """Refuse a key file another user owns or others may read (pure but for the message;
+    hx): ``port-token.key`` forges every exposed port's URL token, and with any E2B
+    access token it opens the API key sealed in it (docs/operations.md). Group read is
+    let through (a Kubernetes Secret mounted with an fsGroup) with a warning."""
+    mode = stat.S_IMODE(st.st_mode)
+    if st.st_uid not in (0, os.geteuid()) or mode & 0o007:
+        raise InvalidArgument(
+            f"{path} is mode {mode:o}, owned by uid {st.st_uid}: any host user who can "
+            "read it forges exposed ports' URLs and opens E2B access tokens into API "
+            "keys; chown it to this user and chmod 600 it (or remove it: the URLs and "
+            "E2B tokens handed out change)")
+    if mode & 0o070:
+        logging.getLogger(__name__).warning(
+            "%s is readable by its group (mode %o): the group's members can forge port "
+            "URLs and open E2B tokens; chmod 600 it unless that group is this service's",
+            path, mode)
+
+
 def _port_token_key(state_dir: str) -> bytes:
     """The key of exposed ports' URL tokens (docs/ports.md), made once and kept in the
     (0700) state dir, 0600: a restarted apiserver still honours the URLs it handed out.
@@ -252,8 +272,12 @@ def _port_token_key(state_dir: str) -> bytes:
             pass
         finally:
             os.unlink(tmp)
-    with open(path, "rb") as f:
-        key = f.read()
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        check_key_file(path, os.fstat(fd))
+        key = os.read(fd, 64)
+    finally:
+        os.close(fd)
     if len(key) != 32:
         raise InvalidArgument(f"{path} holds {len(key)} bytes, not a 32-byte key; remove it "
                               "(the URLs of exposed ports change)")
