@@ -573,6 +573,7 @@ def edge(listen: str, state_dir: str | None, journal_sync: str, backends: tuple[
     if pids_share is None:
         _warn_shared_pid_budget(backends)
         pids_share = 1.0
+    _warn_host_proc(backends)
     raise_nofile()
     # A stop before the loop serves (SIGTERM from a supervisor, ^C) unwinds like one
     # after: every finally below runs, so nothing the start made stays mounted,
@@ -752,6 +753,43 @@ def _edge_main(owned: list[Any], built: dict[str, Any], served: list[bool], list
                           served, metrics_listen, ssl_ctx, metrics_token))
     except DsecError as exc:
         raise click.ClickException(str(exc)) from exc
+
+
+def proc_hides_pids(mountinfo: str) -> bool:
+    """Whether the /proc of ``mountinfo`` (its text) hides other users' processes
+    (``hidepid=2``/``invisible``, or ``subset=pid`` alone would not: pure)."""
+    for line in mountinfo.splitlines():
+        left, sep, right = line.partition(" - ")
+        f = left.split()
+        if not sep or len(f) < 5 or f[4] != "/proc":
+            continue
+        opts = right.split()[2].split(",") if len(right.split()) > 2 else []
+        return any(o in ("hidepid=2", "hidepid=invisible") for o in opts)
+    return False
+
+
+def _warn_host_proc(backends: tuple[str, ...] | list[str], *,
+                    mountinfo_path: str = "/proc/self/mountinfo") -> bool:
+    """Warn (hx) when container-tier sandboxes' processes are host processes every host
+    user can list with their command lines (/proc/<pid>/cmdline is 0444: an agent's
+    ``curl -H 'Authorization: ...'`` is there to read) because /proc is mounted without
+    ``hidepid=invisible``. dsec does not remount the host's /proc itself: that changes
+    what every user and tool on the host sees (docs/host-security.md). True when it
+    warned."""
+    if not any(b in ("container", "runc") for b in backends):
+        return False
+    try:
+        with open(mountinfo_path) as f:
+            hidden = proc_hides_pids(f.read())
+    except OSError:
+        return False
+    if not hidden:
+        logging.getLogger("dsec.edge").warning(
+            "/proc is mounted without hidepid=invisible: every host user can read the "
+            "command lines of container sandboxes' processes (their env and files stay "
+            "closed); mount -o remount,hidepid=invisible,gid=<admins> /proc on a shared "
+            "host (docs/host-security.md)")
+    return not hidden
 
 
 def _warn_shared_pid_budget(backends: tuple[str, ...] | list[str], *,

@@ -235,7 +235,7 @@ def metrics_token_file(state_dir: str) -> str:
 def check_key_file(path: str, st: os.stat_result) -> None:
     """Refuse a key file another user owns or others may read (pure but for the message;
     hx): ``port-token.key`` forges every exposed port's URL token, and with any E2B
-    access token it opens the API key sealed in it (docs/operations.md). Group read is
+    access token it opens the API key sealed in it (docs/host-security.md). Group read is
     let through (a Kubernetes Secret mounted with an fsGroup) with a warning."""
     mode = stat.S_IMODE(st.st_mode)
     if st.st_uid not in (0, os.geteuid()) or mode & 0o007:

@@ -111,7 +111,7 @@ except PermissionError:
 @pytest.mark.parametrize("uid", [
     4242,
     pytest.param(65534, marks=pytest.mark.xfail(
-        strict=True, reason="known, not fixed (docs/operations.md): runsc 2022 runs the "
+        strict=True, reason="known, not fixed (docs/host-security.md): runsc 2022 runs the "
         "Sentry and its ptrace stubs as host uid 65534 (hard-coded), so a host process "
         "running as nobody may kill or stop them")),
 ])

@@ -4,7 +4,7 @@ state dir, the processes' command lines. A host user gets 401s, EACCES and aggre
 counts - never a sandbox id, label, env value, key or token, and no operation. (The
 tier-specific doors: test_gvisor_control_socket.py; the vm tier's QMP/agent sockets
 live in 0700 directories under the state dir.) The verdict of each is in
-docs/operations.md, "What a host user can reach"."""
+docs/host-security.md."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """An edge started without --pids-share takes the whole host pid budget; with other
 edges on the host their sandboxes together could exhaust the pid table (hx). The edge
 finds the others through the host's cgroup-name claims (/run/dsec/cgroup-names) and
-warns; shares summing to at most 1 are the fix (docs/operations.md)."""
+warns; shares summing to at most 1 are the fix (docs/host-security.md)."""
 
 from __future__ import annotations
 
@@ -46,3 +46,24 @@ def test_an_edge_finds_and_warns_about_other_live_edges(tmp_path: object,
         other.kill()
         other.wait()
     assert other_edges(names_dir=d) == {}
+
+
+def test_the_edge_says_when_host_users_can_read_sandbox_command_lines(
+        tmp_path: object, caplog: pytest.LogCaptureFixture) -> None:
+    from dsec.cli.edge import _warn_host_proc, proc_hides_pids
+
+    open_ = "22 27 0:21 / /proc rw,relatime shared:12 - proc proc rw\n"
+    hidden = "22 27 0:21 / /proc rw,relatime - proc proc rw,hidepid=invisible,gid=4\n"
+    assert not proc_hides_pids("1 0 0:1 / / rw - ext4 /dev/sda rw\n" + open_)
+    assert proc_hides_pids(hidden)
+    assert proc_hides_pids(hidden.replace("invisible", "2"))
+    assert not proc_hides_pids(hidden.replace("invisible", "1"))
+    path = os.path.join(str(tmp_path), "mountinfo")
+    for text, warns in ((open_, True), (hidden, False)):
+        with open(path, "w") as f:
+            f.write(text)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="dsec.edge"):
+            assert _warn_host_proc(("container",), mountinfo_path=path) is warns
+        assert ("hidepid=invisible" in caplog.text) is warns
+    assert _warn_host_proc(("gvisor", "vm"), mountinfo_path=path) is False
