@@ -514,8 +514,8 @@ def _die_with_supervisor(pid: int) -> None:
 @click.option("--metrics-token-file", default=None, metavar="FILE",
               type=click.Path(dir_okay=False),
               help="A scrape must send 'Authorization: Bearer <the token in FILE>' "
-                   "(mode 0600; Prometheus: authorization.credentials_file); others get "
-                   "401. dsec up --edge-metrics-port makes <state-dir>/metrics.token.")
+                   "(mode 0600, made with a random token when missing; Prometheus: "
+                   "authorization.credentials_file); others get 401.")
 @click.option("--metrics-public", is_flag=True,
               help="Serve --metrics-listen without a token: anyone who reaches the port "
                    "reads the metrics (sandbox ids, operation counts).")
@@ -837,7 +837,7 @@ def _metrics_token(listen: str | None, token_file: str | None,
     from dsec.edge.metrics import read_token
     from dsec.errors import DsecError
     try:
-        return read_token(token_file)
+        return read_token(token_file, create=True)
     except DsecError as exc:
         raise click.BadParameter(str(exc), param_hint="--metrics-token-file") from exc
 

@@ -141,9 +141,25 @@ def authorized(head: bytes, token: bytes | None) -> bool:
     return False
 
 
-def read_token(path: str) -> bytes:
+def read_token(path: str, *, create: bool = False) -> bytes:
     """The scrape token in ``path`` (surrounding whitespace dropped). Refused unless
-    only its owner (this user or root) may read it and it holds 16+ characters."""
+    only its owner (this user or root) may read it and it holds 16+ characters.
+    ``create``: a missing file is made first (0600, a random token), so a unit or
+    DaemonSet can name a file in its state dir that the first start fills."""
+    if create:
+        import secrets
+        try:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), mode=0o700, exist_ok=True)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                         | os.O_CLOEXEC, 0o600)
+        except FileExistsError:
+            pass
+        except OSError as exc:
+            raise InvalidArgument(f"--metrics-token-file {path}: cannot create it: "
+                                  f"{exc.strerror or exc}", field="metrics_token_file") from exc
+        else:
+            with os.fdopen(fd, "w") as f:
+                f.write(secrets.token_urlsafe(32) + "\n")
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as exc:

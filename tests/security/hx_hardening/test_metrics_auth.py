@@ -77,6 +77,10 @@ def test_token_file_must_be_private(tmp_path: object) -> None:
         read_token(path)
     os.chmod(path, 0o600)
     assert read_token(path) == TOKEN
+    made = os.path.join(str(tmp_path), "edge", "made.token")   # before the state dir
+    first = read_token(made, create=True)          # a unit's first start fills it
+    assert os.stat(made).st_mode & 0o777 == 0o600 and len(first) >= 32
+    assert read_token(made, create=True) == first
 
 
 def test_edge_refuses_an_open_metrics_listener_by_default() -> None:
