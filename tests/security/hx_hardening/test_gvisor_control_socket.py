@@ -124,3 +124,27 @@ async def test_host_users_cannot_signal_the_sentry(backend: ContainerBackend,
     for pid in pids:
         code, out = run_as(uid, SIGNAL, str(pid))
         assert (code, out.strip()) == (0, "EPERM"), (uid, pid, out)
+
+
+async def test_a_sandbox_an_older_edge_started_stays_drivable(
+        backend: ContainerBackend) -> None:
+    """Upgrade: a sandbox whose ``runsc run`` ran in the host netns (an edge before the
+    control namespace) keeps its socket there; the new driver finds it and runs that
+    sandbox's runsc commands where it can connect, new ones in the namespace."""
+    drv = backend._runsc
+    assert drv is not None
+    old_sid = new_sid()
+    drv._launcher = lambda args=(): []   # type: ignore[method-assign]  # the old driver
+    try:
+        await backend.create(old_sid, SPEC)
+    finally:
+        del drv._launcher                     # back to the class's
+    drv._legacy_known.clear()                 # as a restarted edge: nothing known
+    _, out = run_as(4242, CALL, old_sid)
+    assert out.startswith("answered"), out    # (what the upgrade cannot take back)
+    assert await sh(backend, old_sid, "echo old") == (0, "old\n")
+    assert drv._legacy_known.get(old_sid) is True
+    sid = new_sid()
+    await backend.create(sid, SPEC)
+    assert await sh(backend, sid, "echo new") == (0, "new\n")
+    assert run_as(4242, CALL, sid)[1].startswith("refused")

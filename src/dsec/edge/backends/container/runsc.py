@@ -413,9 +413,43 @@ class RunscDriver(RuncDriver):
         self.root_dir = root_dir
         self._helpers: dict[bool, str] = {}
         self.control_netns = pin_control_netns(os.path.join(root_dir, CONTROL_NETNS))
+        #: sandbox -> its control socket is in the host's netns (:meth:`_legacy`)
+        self._legacy_known: dict[str, bool] = {}
+        self._host_sockets: tuple[float, bytes] | None = None
 
-    def _launcher(self) -> list[str]:
+    def _launcher(self, args: Sequence[str] = ()) -> list[str]:
+        """``nsenter`` into the control namespace - except for a sandbox an edge of
+        before it started (its control socket is in the host's netns, where ``runsc``
+        must connect: :meth:`_legacy`)."""
+        if any(self._legacy(a) for a in args):
+            return []
         return ["nsenter", f"--net={self.control_netns}", "--"]
+
+    def _legacy(self, arg: str) -> bool:
+        """Whether ``arg`` names a sandbox whose control socket is in the host's network
+        namespace (started by an edge before the control namespace: it stays reachable
+        by host users until it is recreated, and is logged once). Checked once per
+        sandbox, and only for names that have runsc state here."""
+        known = self._legacy_known.get(arg)
+        if known is not None:
+            return known
+        if not arg or arg[0] == "-" or "/" in arg or len(arg) > 128 or not os.path.exists(
+                os.path.join(self.state_root, f"{arg}_sandbox:{arg}.state")):
+            return False
+        now = time.monotonic()
+        if self._host_sockets is None or now - self._host_sockets[0] > 5.0:
+            try:   # the host netns's socket table, read at most every 5 s (adoption)
+                with open("/proc/self/net/unix", "rb") as f:
+                    self._host_sockets = (now, f.read())
+            except OSError:
+                self._host_sockets = (now, b"")
+        legacy = f"@runsc-sandbox.{arg}@".encode() in self._host_sockets[1]
+        if legacy:
+            log.warning("gvisor sandbox %s was started by an older edge: its control socket "
+                        "is in the host's network namespace, open to every host user, "
+                        "until it is recreated (docs/host-security.md)", arg)
+        self._legacy_known[arg] = legacy
+        return legacy
 
     def release(self) -> None:
         """Unpin the control namespace (only when no sandbox of this root is left: a
@@ -486,6 +520,7 @@ class RunscDriver(RuncDriver):
         with open(os.path.join(box.dir, "config.json"), "w") as f:  # noqa: ASYNC230
             json.dump(self._config(box), f)
         pid_file = os.path.join(box.dir, "init.pid")
+        self._legacy_known[box.sid] = False   # started now, in the control namespace
         code, err = await self._run_piped_log(
             "run", "--detach", "--bundle", box.dir, "--pid-file", pid_file, box.sid)
         if code != 0:
@@ -503,6 +538,7 @@ class RunscDriver(RuncDriver):
         for suffix in (".state", ".lock"):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(os.path.join(self.state_root, f"{sid}_sandbox:{sid}{suffix}"))
+        self._legacy_known.pop(sid, None)
         name = self.cgroup_parent.removeprefix("dsec-")
         try:
             dirs = [os.path.join(p, sid) for p in cgroup_parents(name)]
@@ -536,7 +572,7 @@ class RunscDriver(RuncDriver):
         try:
             try:
                 proc = await asyncio.create_subprocess_exec(
-                    *self._launcher(), self.binary, "--root", self.state_root,
+                    *self._launcher(args), self.binary, "--root", self.state_root,
                     "--log-fd", str(w),
                     "--log-format", "json", *self._global_args(), *args,
                     stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
@@ -666,7 +702,7 @@ class RunscDriver(RuncDriver):
                           t0: float) -> ExecResult:
         log = os.path.join(self.state_root, f".log-{self._owner}-{next(self._seq)}")
         proc, pump, feeder = await self._spawn_piped(
-            [*self._launcher(), self.binary, "--root", self.state_root, "--log", log,
+            [*self._launcher(args), self.binary, "--root", self.state_root, "--log", log,
              "--log-format", "json",
              *self._global_args(), *args], req, on_chunk)
         timed_out = False
