@@ -120,7 +120,13 @@ def test_dsec_up_json_logs_access_log_and_durable_audit(tmp_path) -> None:  # ty
                     max_sandboxes=500)))
             assert alice.call(ops.PROJECTS, Empty()).items is not None
         # the edge's own metrics (dsec up --edge-metrics-port): the create above, timed
-        text = httpx.get(f"http://127.0.0.1:{mport}/metrics", timeout=30).text
+        # ... for the holder of <state>/metrics.token only (hx: every host user reaches
+        # a loopback port)
+        murl = f"http://127.0.0.1:{mport}/metrics"
+        assert httpx.get(murl, timeout=30).status_code == 401
+        with open(os.path.join(state, "metrics.token")) as f:
+            bearer = {"Authorization": f"Bearer {f.read().strip()}"}
+        text = httpx.get(murl, headers=bearer, timeout=30).text
         assert re.search(r'dsec_edge_operation_seconds_count\{op="create"\} [1-9]', text), text
         with Client(local["url"], local["api_key"], protocol="http") as c:
             kept = c.sandboxes.create(ttl=3600)

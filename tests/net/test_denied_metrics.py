@@ -62,7 +62,7 @@ async def test_denied_packets_in_metrics_and_events(tmp_path: object,
          "--layer-store", os.path.join(root, "layers"), "--backend", "container",
          "--node-id", "netmetrics", "--log-level", "warning", "--disk-pool", "1GiB",
          "--net-uplink", f"netns:/proc/{os.getpid()}/fd/{internet.fd}",
-         "--net-dns-upstream", DNS_UPSTREAM, "--metrics-listen", f"127.0.0.1:{port}"],
+         "--net-dns-upstream", DNS_UPSTREAM, "--metrics-listen", f"127.0.0.1:{port}", "--metrics-public"],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     url = f"http://127.0.0.1:{port}/metrics"
     try:

@@ -6,7 +6,7 @@ heartbeats, and its durable state (keys, quotas, sessions, idempotency keys, los
 tombstones) is in the state store: ``<state-dir>/control.sqlite`` by default, or the one
 ``--store URL`` names. Several apiserver replicas share one PostgreSQL store
 (``--store postgresql://...``) and learn each other's writes through LISTEN/NOTIFY
-(docs/operations.md). An edge that is not reachable yet is dialled again on every poll.
+(docs/host-security.md). An edge that is not reachable yet is dialled again on every poll.
 """
 
 from __future__ import annotations

@@ -492,10 +492,12 @@ def _die_with_supervisor(pid: int) -> None:
                    "[default: 90% of its root dir's free space]; with --backend container "
                    "--backend gvisor, split evenly between their two pools.")
 @click.option("--pids-share", "pids_share", type=click.FloatRange(0, 1, min_open=True),
-              default=1.0, show_default=True, metavar="FRACTION",
+              default=None, metavar="FRACTION",
               help="This edge's fraction of the host's pid budget (kernel.pid_max minus "
                    "the headroom), split between the tiers it runs; `dsec up` gives each "
-                   "of N edges on one host 1/N.")
+                   "of N edges on one host 1/N. [default: 1, the whole budget: with "
+                   "other edges on the host give each a share, summing to at most 1; "
+                   "the edge warns when it finds others running]")
 @click.option("--ready-fd", type=int, default=None, hidden=True,
               help="Write 'ready' to this inherited fd once serving (for a supervisor).")
 @click.option("--supervisor-pid", type=int, default=None, hidden=True,
@@ -507,8 +509,16 @@ def _die_with_supervisor(pid: int) -> None:
 @click.option("--metrics-listen", default=None, metavar="HOST:PORT",
               help="Serve this edge's Prometheus metrics (denied packets per sandbox, "
                    "refused DNS names, live sandboxes) at http://HOST:PORT/metrics "
-                   "[default: off]. Sandbox ids are labels: bind it to loopback or a "
-                   "monitoring network.")
+                   "[default: off]. Sandbox ids are labels and every host user reaches "
+                   "a loopback port: give --metrics-token-file (or --metrics-public).")
+@click.option("--metrics-token-file", default=None, metavar="FILE",
+              type=click.Path(dir_okay=False),
+              help="A scrape must send 'Authorization: Bearer <the token in FILE>' "
+                   "(mode 0600, made with a random token when missing; Prometheus: "
+                   "authorization.credentials_file); others get 401.")
+@click.option("--metrics-public", is_flag=True,
+              help="Serve --metrics-listen without a token: anyone who reaches the port "
+                   "reads the metrics (sandbox ids, operation counts).")
 @click.option("--qos-be-only", "qos_be_only", multiple=True, metavar="PROJECT",
               help="[qos] Run this project's (and its subprojects') sandboxes best-effort "
                    "only: a create asking qos 'ls' is refused (repeatable).")
@@ -555,9 +565,15 @@ def edge(listen: str, state_dir: str | None, journal_sync: str, backends: tuple[
          advertise: str | None, blob_store: str | None,
          lazy_cache_bytes: int | None, log_format: str = "text",
          qos_be_only: tuple[str, ...] = (), memory_pressure: bool = False,
-         paused_retention_s: float | None = None, pids_share: float = 1.0) -> None:
+         paused_retention_s: float | None = None, pids_share: float | None = None,
+         metrics_token_file: str | None = None, metrics_public: bool = False) -> None:
     """Run an edge node: sandboxes on this machine, served over Aether."""
     from dsec.nofile import raise_nofile  # dens: soft RLIMIT_NOFILE to hard (issue 22)
+    metrics_token = _metrics_token(metrics_listen, metrics_token_file, metrics_public)
+    if pids_share is None:
+        _warn_shared_pid_budget(backends)
+        pids_share = 1.0
+    _warn_host_proc(backends)
     raise_nofile()
     # A stop before the loop serves (SIGTERM from a supervisor, ^C) unwinds like one
     # after: every finally below runs, so nothing the start made stays mounted,
@@ -604,7 +620,8 @@ def edge(listen: str, state_dir: str | None, journal_sync: str, backends: tuple[
                    net_pool, net_ipv6, net_dns_upstream, metrics_listen, ssl_ctx,
                    blob_store=blob_store, lazy_cache_bytes=lazy_cache_bytes,
                    qos_be_only=qos_be_only, memory_pressure=memory_pressure,
-                   paused_retention_s=paused_retention_s, pids_share=pids_share)
+                   paused_retention_s=paused_retention_s, pids_share=pids_share,
+                   metrics_token=metrics_token)
     finally:
         # a second signal must not cut the release short (kill -9 still ends it)
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -651,7 +668,8 @@ def _edge_main(owned: list[Any], built: dict[str, Any], served: list[bool], list
                metrics_listen: str | None, ssl_ctx: Any = None,
                blob_store: str | None = None, lazy_cache_bytes: int | None = None,
                qos_be_only: tuple[str, ...] = (), memory_pressure: bool = False,
-               paused_retention_s: float | None = None, pids_share: float = 1.0) -> None:
+               paused_retention_s: float | None = None, pids_share: float = 1.0,
+               metrics_token: bytes | None = None) -> None:
     # blob_store: validated by --blob-store's callback; the node's lazy layers
     # (dsec.edge.lazy, issue 17) read missing layers from it
     from dsec.edge.admission import bound_disk
@@ -732,9 +750,96 @@ def _edge_main(owned: list[Any], built: dict[str, Any], served: list[bool], list
                 raise click.BadParameter(f"{token_file} holds {len(token)} bytes; use a random "
                                          "secret of at least 16", param_hint="--token-file")
         uvloop.run(_serve(cfg, built, listen, token, insecure, ready_fd, resolver_args,
-                          served, metrics_listen, ssl_ctx))
+                          served, metrics_listen, ssl_ctx, metrics_token))
     except DsecError as exc:
         raise click.ClickException(str(exc)) from exc
+
+
+def proc_hides_pids(mountinfo: str) -> bool:
+    """Whether the /proc of ``mountinfo`` (its text) hides other users' processes
+    (``hidepid=2``/``invisible``, or ``subset=pid`` alone would not: pure)."""
+    for line in mountinfo.splitlines():
+        left, sep, right = line.partition(" - ")
+        f = left.split()
+        if not sep or len(f) < 5 or f[4] != "/proc":
+            continue
+        opts = right.split()[2].split(",") if len(right.split()) > 2 else []
+        return any(o in ("hidepid=2", "hidepid=invisible") for o in opts)
+    return False
+
+
+def _warn_host_proc(backends: tuple[str, ...] | list[str], *,
+                    mountinfo_path: str = "/proc/self/mountinfo") -> bool:
+    """Warn (hx) when container-tier sandboxes' processes are host processes every host
+    user can list with their command lines (/proc/<pid>/cmdline is 0444: an agent's
+    ``curl -H 'Authorization: ...'`` is there to read) because /proc is mounted without
+    ``hidepid=invisible``. dsec does not remount the host's /proc itself: that changes
+    what every user and tool on the host sees (docs/host-security.md). True when it
+    warned."""
+    if not any(b in ("container", "runc") for b in backends):
+        return False
+    try:
+        with open(mountinfo_path) as f:
+            hidden = proc_hides_pids(f.read())
+    except OSError:
+        return False
+    if not hidden:
+        logging.getLogger("dsec.edge").warning(
+            "/proc is mounted without hidepid=invisible: every host user can read the "
+            "command lines of container sandboxes' processes (their env and files stay "
+            "closed); mount -o remount,hidepid=invisible,gid=<admins> /proc on a shared "
+            "host (docs/host-security.md)")
+    return not hidden
+
+
+def _warn_shared_pid_budget(backends: tuple[str, ...] | list[str], *,
+                            names_dir: str | None = None) -> None:
+    """Warn (hx) when this edge takes the whole pid budget by default while other dsec
+    edges run on the host: each caps its own sandboxes only, so together they may hold
+    N times the budget and exhaust the host's pid table. Not an automatic split: an
+    edge started earlier keeps the share it took, so only shares given to every edge
+    (``--pids-share``, summing to at most 1; ``dsec up`` does it) are safe."""
+    if not any(b in ("container", "gvisor", "vm", "fncall") for b in backends):
+        return
+    from dsec.edge.backends.container.census import NAMES_DIR, other_edges
+
+    others = other_edges(names_dir=names_dir or NAMES_DIR)
+    if others:
+        logging.getLogger("dsec.edge").warning(
+            "other dsec edges run on this host (pids %s, roots %s) and this one takes the "
+            "whole pid budget (no --pids-share): together their sandboxes may exhaust the "
+            "host's pid table; give every edge --pids-share so the shares sum to at most 1",
+            ", ".join(map(str, sorted(others))),
+            ", ".join(sorted({r for roots in others.values() for r in roots})))
+
+
+def _metrics_token(listen: str | None, token_file: str | None,
+                   public: bool) -> bytes | None:
+    """The scrape token of ``--metrics-listen`` (None with ``--metrics-public``): one of
+    the two is required, so an edge never serves its metrics to every host user by
+    default (edge/metrics.py)."""
+    if listen is None:
+        if token_file is not None or public:
+            raise click.BadParameter("only with --metrics-listen",
+                                     param_hint="--metrics-token-file/--metrics-public")
+        return None
+    if token_file is not None and public:
+        raise click.BadParameter("give one of them", param_hint="--metrics-token-file/"
+                                 "--metrics-public")
+    if public:
+        return None
+    if token_file is None:
+        raise click.BadParameter(
+            "any host user can reach a loopback port and would read every sandbox's "
+            "series: give --metrics-token-file FILE (a 0600 file with a random token; "
+            "scrapers send 'Authorization: Bearer <token>') or --metrics-public",
+            param_hint="--metrics-listen")
+    from dsec.edge.metrics import read_token
+    from dsec.errors import DsecError
+    try:
+        return read_token(token_file, create=True)
+    except DsecError as exc:
+        raise click.BadParameter(str(exc), param_hint="--metrics-token-file") from exc
 
 
 class _Fd:
@@ -839,7 +944,8 @@ async def _serve(cfg: Any, backends: dict[str, Any], listen: str, token: bytes |
                  insecure: bool, ready_fd: int | None,
                  resolver_args: dict[str, Any] | None = None,
                  served: list[bool] | None = None,
-                 metrics_listen: str | None = None, ssl_ctx: Any = None) -> None:
+                 metrics_listen: str | None = None, ssl_ctx: Any = None,
+                 metrics_token: bytes | None = None) -> None:
     log = logging.getLogger("dsec.edge")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -854,7 +960,7 @@ async def _serve(cfg: Any, backends: dict[str, Any], listen: str, token: bytes |
     try:
         await _serve_node(cfg, backends, listen, token, insecure, ready_fd, stop,
                           served if served is not None else [], resolver, metrics_listen,
-                          ssl_ctx)
+                          ssl_ctx, metrics_token)
     finally:
         if resolver is not None:
             await resolver.close()
@@ -864,7 +970,8 @@ async def _serve(cfg: Any, backends: dict[str, Any], listen: str, token: bytes |
 async def _serve_node(cfg: Any, backends: dict[str, Any], listen: str, token: bytes | None,
                       insecure: bool, ready_fd: int | None, stop: asyncio.Event,
                       served: list[bool], resolver: Any = None,
-                      metrics_listen: str | None = None, ssl_ctx: Any = None) -> None:
+                      metrics_listen: str | None = None, ssl_ctx: Any = None,
+                      metrics_token: bytes | None = None) -> None:
     from dsec.edge.node import EdgeNode
     from dsec.edge.service import serve_edge
     from dsec.wire.node import format_bytes, format_cpu
@@ -896,7 +1003,7 @@ async def _serve_node(cfg: Any, backends: dict[str, Any], listen: str, token: by
             em = EdgeMetrics(network=getattr(backends.get("container"), "network", None),
                              resolver=resolver, live=lambda: node.live_count, lazy=lazy,
                              node=node)
-            metrics = await serve_metrics(metrics_listen, em.render)
+            metrics = await serve_metrics(metrics_listen, em.render, token=metrics_token)
             addr = metrics.sockets[0].getsockname()
             click.echo(f"edge {cfg.node_id} metrics on http://{addr[0]}:{addr[1]}/metrics",
                        err=True)

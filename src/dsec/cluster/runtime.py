@@ -47,6 +47,7 @@ import os
 import secrets
 import signal
 import socket
+import stat
 import time
 from collections import deque
 from collections.abc import Mapping
@@ -214,6 +215,42 @@ class ClusterConfig:
     e2b_tls_key: str | None = None
 
 
+#: the edges' metrics scrape token in the state dir (dsec up --edge-metrics-port)
+METRICS_TOKEN_FILE = "metrics.token"
+
+
+def metrics_token_file(state_dir: str) -> str:
+    """``<state_dir>/metrics.token`` (made once, 0600, random): the bearer token the
+    edges' metrics listeners ask of a scraper (dsec.edge.metrics)."""
+    path = os.path.join(state_dir, METRICS_TOKEN_FILE)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    except FileExistsError:
+        return path
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_urlsafe(32) + "\n")
+    return path
+
+
+def check_key_file(path: str, st: os.stat_result) -> None:
+    """Refuse a key file another user owns or others may read (pure but for the message;
+    hx): ``port-token.key`` forges every exposed port's URL token, and with any E2B
+    access token it opens the API key sealed in it (docs/host-security.md). Group read is
+    let through (a Kubernetes Secret mounted with an fsGroup) with a warning."""
+    mode = stat.S_IMODE(st.st_mode)
+    if st.st_uid not in (0, os.geteuid()) or mode & 0o007:
+        raise InvalidArgument(
+            f"{path} is mode {mode:o}, owned by uid {st.st_uid}: any host user who can "
+            "read it forges exposed ports' URLs and opens E2B access tokens into API "
+            "keys; chown it to this user and chmod 600 it (or remove it: the URLs and "
+            "E2B tokens handed out change)")
+    if mode & 0o070:
+        logging.getLogger(__name__).warning(
+            "%s is readable by its group (mode %o): the group's members can forge port "
+            "URLs and open E2B tokens; chmod 600 it unless that group is this service's",
+            path, mode)
+
+
 def _port_token_key(state_dir: str) -> bytes:
     """The key of exposed ports' URL tokens (docs/ports.md), made once and kept in the
     (0700) state dir, 0600: a restarted apiserver still honours the URLs it handed out.
@@ -235,8 +272,12 @@ def _port_token_key(state_dir: str) -> bytes:
             pass
         finally:
             os.unlink(tmp)
-    with open(path, "rb") as f:
-        key = f.read()
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        check_key_file(path, os.fstat(fd))
+        key = os.read(fd, 64)
+    finally:
+        os.close(fd)
     if len(key) != 32:
         raise InvalidArgument(f"{path} holds {len(key)} bytes, not a 32-byte key; remove it "
                               "(the URLs of exposed ports change)")
@@ -492,7 +533,8 @@ class ClusterRuntime:
                 "--log-format", cfg.edge_log_format]
         if cfg.edge_metrics_port is not None and node in self.node_ids:
             argv += ["--metrics-listen",
-                     f"127.0.0.1:{cfg.edge_metrics_port + self.node_ids.index(node)}"]
+                     f"127.0.0.1:{cfg.edge_metrics_port + self.node_ids.index(node)}",
+                     "--metrics-token-file", metrics_token_file(cfg.state_dir)]
         if cap.disk_bytes is not None:
             argv += ["--disk-bytes", str(cap.disk_bytes)]
         for b in self._local_backends():

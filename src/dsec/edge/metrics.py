@@ -23,6 +23,13 @@ knows lives here, in a registry of its own:
   times opened, fetches failed at once) and late chunks of abandoned reads. Read from the FUSE daemon's stats file
   (written every 0.5 s), summed over daemons that died, so the counters never go back.
 
+Who may scrape: with a token (``dsec edge --metrics-token-file``; ``dsec up
+--edge-metrics-port`` makes one, ``<state-dir>/metrics.token``, 0600) only a request with
+``Authorization: Bearer <token>`` (Prometheus: ``authorization: {credentials_file: ...}``)
+gets the metrics, any other a 401 - a loopback port is open to every host user, and the
+series name the node's sandboxes and what they do. Without one (``--metrics-public``,
+asked for explicitly) anyone who reaches the port reads them.
+
 Collected on the edge's event loop (the server below is an asyncio one), where the
 counters' owners are changed, so a scrape never reads them mid-update. Labels are
 bounded by the node's sandbox cap.
@@ -32,7 +39,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import logging
+import os
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Final
 
@@ -48,8 +57,8 @@ from dsec.aether.limits import Admission, ProcessBudget, ServerLimits, process_b
 from dsec.edge.usage import OP_BUCKETS, OpTimings
 from dsec.errors import InvalidArgument
 
-__all__ = ["OP_BUCKETS", "EdgeMetrics", "OpTimings", "denied_samples", "lazy_families",
-           "node_families", "serve_metrics"]
+__all__ = ["OP_BUCKETS", "EdgeMetrics", "OpTimings", "authorized", "denied_samples",
+           "lazy_families", "node_families", "read_token", "serve_metrics"]
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +126,61 @@ def node_families(t: OpTimings, states: Mapping[str, int],
     lc.add_metric(["hit"], float(hits))
     lc.add_metric(["miss"], float(misses))
     yield lc
+
+
+def authorized(head: bytes, token: bytes | None) -> bool:
+    """Whether a request head carries ``Authorization: Bearer <token>`` (pure; compared
+    in constant time; always True without a token)."""
+    if token is None:
+        return True
+    for line in head.split(b"\r\n")[1:]:
+        name, sep, value = line.partition(b":")
+        if sep and name.strip().lower() == b"authorization":
+            scheme, _, cred = value.strip().partition(b" ")
+            if scheme.lower() == b"bearer" and hmac.compare_digest(cred.strip(), token):
+                return True
+    return False
+
+
+def read_token(path: str, *, create: bool = False) -> bytes:
+    """The scrape token in ``path`` (surrounding whitespace dropped). Refused unless
+    only its owner (this user or root) may read it and it holds 16+ characters.
+    ``create``: a missing file is made first (0600, a random token), so a unit or
+    DaemonSet can name a file in its state dir that the first start fills."""
+    if create:
+        import secrets
+        try:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), mode=0o700, exist_ok=True)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                         | os.O_CLOEXEC, 0o600)
+        except FileExistsError:
+            pass
+        except OSError as exc:
+            raise InvalidArgument(f"--metrics-token-file {path}: cannot create it: "
+                                  f"{exc.strerror or exc}", field="metrics_token_file") from exc
+        else:
+            with os.fdopen(fd, "w") as f:
+                f.write(secrets.token_urlsafe(32) + "\n")
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        raise InvalidArgument(f"--metrics-token-file {path}: {exc.strerror or exc}",
+                              field="metrics_token_file") from exc
+    try:
+        st = os.fstat(fd)
+        data = os.read(fd, 4096).strip()
+    finally:
+        os.close(fd)
+    if st.st_uid not in (0, os.geteuid()) or st.st_mode & 0o077:
+        raise InvalidArgument(f"--metrics-token-file {path} is mode {st.st_mode & 0o777:o} "
+                              f"owned by uid {st.st_uid}: other users could read or swap "
+                              "the token; chmod 600 it, owned by this user",
+                              field="metrics_token_file")
+    if len(data) < 16 or any(c <= 32 or c > 126 for c in data):
+        raise InvalidArgument(f"--metrics-token-file {path}: the token must be 16 or more "
+                              "printable characters without spaces",
+                              field="metrics_token_file")
+    return data
 
 
 def denied_samples(owners: Mapping[int, tuple[str, int, int]]) -> list[tuple[str, int]]:
@@ -221,12 +285,14 @@ class EdgeMetrics:
 async def serve_metrics(listen: str, render: Callable[[], bytes], *,
                         limits: ServerLimits = METRICS_LIMITS,
                         budget: ProcessBudget | None = None,
-                        clock: Callable[[], float] | None = None) -> asyncio.Server:
+                        clock: Callable[[], float] | None = None,
+                        token: bytes | None = None) -> asyncio.Server:
     """A minimal HTTP/1.0 server for ``GET /metrics`` on ``HOST:PORT`` (no framework:
     one route, one short answer per connection; the request is bounded in size and
     time, and the connections in number (``limits``, admitted like every other listener
     of the process: :class:`dsec.aether.limits.Admission`), so an idle or endless peer
-    holds nothing)."""
+    holds nothing). ``token``: the bearer token a scrape must carry (None: none asked;
+    the module docstring says when that is acceptable)."""
     host, sep, port = listen.rpartition(":")
     if not sep or not port.isdigit() or not host:
         raise InvalidArgument(f"--metrics-listen {listen!r}: use HOST:PORT, e.g. "
@@ -262,11 +328,18 @@ async def serve_metrics(listen: str, render: Callable[[], bytes], *,
             async with asyncio.timeout(head_timeout):
                 head = await reader.readuntil(b"\r\n\r\n")
             line = head.split(b"\r\n", 1)[0].split()
-            if len(line) >= 2 and line[0] == b"GET" and line[1].split(b"?")[0] == b"/metrics":
+            extra = b""
+            if not authorized(head, token):
+                body = (b"a bearer token is needed (Authorization: Bearer <the edge's "
+                        b"--metrics-token-file>)\n")
+                status, ctype = b"401 Unauthorized", b"text/plain"
+                extra = b"WWW-Authenticate: Bearer\r\n"
+            elif len(line) >= 2 and line[0] == b"GET" and \
+                    line[1].split(b"?")[0] == b"/metrics":
                 body, status, ctype = rendered(), b"200 OK", CONTENT_TYPE_LATEST.encode()
             else:
                 body, status, ctype = b"only GET /metrics here\n", b"404 Not Found", b"text/plain"
-            writer.write(b"HTTP/1.0 " + status + b"\r\nContent-Type: " + ctype
+            writer.write(b"HTTP/1.0 " + status + b"\r\n" + extra + b"Content-Type: " + ctype
                          + b"\r\nContent-Length: " + str(len(body)).encode()
                          + b"\r\nConnection: close\r\n\r\n" + body)
             async with asyncio.timeout(REQUEST_TIMEOUT_S):

@@ -5,7 +5,7 @@ types, the least role it needs on the target's project, whether repeating it is 
 which doors serve it (the edge's Aether router, the apiserver's Aether gateway, REST)
 and, for REST, its method, path and how the request maps onto path, query, headers and
 body (:class:`Rest`). The doors, the OpenAPI document, the SDK transports and the docs
-read the rows instead of spelling each operation out again; ``docs/operations.md`` is
+read the rows instead of spelling each operation out again; ``docs/host-security.md`` is
 the recipe for adding one.
 
 Where the edge's request or reply differs from the API's, the row says so

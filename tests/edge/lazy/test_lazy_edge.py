@@ -41,7 +41,7 @@ def _edge(remote: Remote, tmp: str, sock: str, port: int) -> subprocess.Popen[by
         [*DSEC, "edge", "--listen", f"unix:{sock}", "--state-dir", os.path.join(tmp, "s"),
          "--layer-store", os.path.join(tmp, "layers"), "--backend", "container",
          "--node-id", "lazy-node", "--blob-store", remote.url, "--lazy-cache-bytes", "64MiB",
-         "--metrics-listen", f"127.0.0.1:{port}", "--log-level", "warning"],
+         "--metrics-listen", f"127.0.0.1:{port}", "--metrics-public", "--log-level", "warning"],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
 

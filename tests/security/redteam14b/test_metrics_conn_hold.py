@@ -61,7 +61,8 @@ async def test_metrics_listener_caps_idle_peers(tmp_path: object, internet: Inte
          "--node-id", "rt14bmet", "--log-level", "warning", "--disk-pool", "1GiB",
          "--net-uplink", f"netns:/proc/{os.getpid()}/fd/{internet.fd}",
          "--net-dns-upstream", DNS_UPSTREAM, "--net-max", "open",
-         "--metrics-listen", f"127.0.0.1:{port}"],
+         "--metrics-listen", f"127.0.0.1:{port}",
+         "--metrics-token-file", os.path.join(root, "metrics.token")],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     peers: list[socket.socket] = []
     try:

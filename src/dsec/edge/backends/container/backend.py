@@ -1475,6 +1475,8 @@ class ContainerBackend:
                 and not self.governor.list_sandboxes():
             self.governor.remove_base()
             release_cgroup_name(self.cgroup_name, self.root_dir)
+            if self._runsc is not None:   # no control socket left in its namespace
+                self._runsc.release()
         if self.shared_sysfs:
             # Always: sandboxes left running for a later adopt() keep their own binds of
             # it (their /sys/class/net reads empty once its namespace goes); the next
@@ -1522,6 +1524,12 @@ class ContainerBackend:
                     box.netns_fd = slot.fd
         if self._runc is not None:
             self._runc.sweep_logs()
+        if self._runsc is not None:   # after adoption: what the live sandboxes bind stays
+            gone = await asyncio.to_thread(
+                self._runsc.gc_helpers, [b.dir for b in self._boxes.values()])
+            if gone:
+                log.info("gvisor: removed %d old helper dir(s): %s", len(gone),
+                         ", ".join(gone))
         # Parents an earlier process (in another cgroup) made: gone once empty.
         for parent in recorded_parents(self.root_dir, self.cgroup_name):
             if parent not in self._own_parents:

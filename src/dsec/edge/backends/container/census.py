@@ -44,7 +44,9 @@ __all__ = [
     "cgroup_parents",
     "claim_cgroup_name",
     "kill_tasks",
+    "live_owners",
     "mounts_below",
+    "other_edges",
     "parse_parents",
     "reap_orphan_names",
     "record_parents",
@@ -223,6 +225,30 @@ def orphan_names(bindings: dict[str, tuple[str, str]], *, exists: Callable[[str]
     return {name: root for name, (root, owner) in bindings.items()
             if (not root.startswith("/") or not exists(root))
             and not (owner and alive(owner))}
+
+
+def live_owners(bindings: dict[str, tuple[str, str]], *, alive: Callable[[str], bool],
+                me: int) -> dict[int, list[str]]:
+    """Processes other than ``me`` holding a cgroup-name claim now (pure): pid -> the
+    root dirs they claimed. Every container/gvisor backend claims one, so these are the
+    other dsec edges (and backends) running on this host."""
+    out: dict[int, list[str]] = {}
+    for _name, (root, owner) in sorted(bindings.items()):
+        pid, _, _ = owner.partition(" ")
+        if pid.isdigit() and int(pid) != me and alive(owner):
+            out.setdefault(int(pid), []).append(root)
+    return out
+
+
+def other_edges(*, names_dir: str = NAMES_DIR) -> dict[int, list[str]]:
+    """:func:`live_owners` of this host's claims ({} when none can be read)."""
+    try:
+        names = [n for n in os.listdir(names_dir)
+                 if not n.startswith(".") and not n.endswith(".tmp")]
+    except OSError:
+        return {}
+    bindings = {n: b for n in names if (b := _binding(names_dir, n)) is not None}
+    return live_owners(bindings, alive=_owner_alive, me=os.getpid())
 
 
 def idle_names(bindings: dict[str, tuple[str, str]], *, exists: Callable[[str], bool],

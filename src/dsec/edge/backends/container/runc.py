@@ -18,7 +18,7 @@ import itertools
 import json
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from dsec import ownership
 from dsec.edge.backends.container import linux
@@ -55,12 +55,19 @@ class RuncDriver:
         platform, network and file access: :class:`.runsc.RunscDriver`)."""
         return []
 
+    def _launcher(self, args: Sequence[str] = ()) -> list[str]:
+        """What runs the runtime binary for the command ``args`` (runc: nothing; runsc:
+        ``nsenter`` into the driver's private network namespace,
+        :class:`.runsc.RunscDriver`)."""
+        return []
+
     def _cmd(self, *args: str, idle: bool = False) -> list[str]:
         """``idle``: start runc under SCHED_IDLE (util-linux ``chrt``, ~1 ms against
         runc exec's 15-20 ms): runc init and the command it execs inherit the policy, the
         per-process half of a best-effort sandbox's class (issue 22; runc 1.1 has no
         scheduler field of its own)."""
-        runc = [self.binary, "--root", self.state_root, *self._global_args(), *args]
+        runc = [*self._launcher(args), self.binary, "--root", self.state_root,
+                *self._global_args(), *args]
         return ["chrt", "--idle", "0", *runc] if idle else runc
 
     async def _spawn_piped(self, argv: list[str], req: ExecRequest,
@@ -109,7 +116,8 @@ class RuncDriver:
         try:
             proc = await asyncio.create_subprocess_exec(
                 *(("chrt", "--idle", "0") if idle else ()),   # chrt execs runc: same pid
-                self.binary, "--root", self.state_root, "--log", log, "--log-format", "json",
+                *self._launcher(args), self.binary, "--root", self.state_root, "--log", log,
+                "--log-format", "json",
                 *self._global_args(), *args, stdin=asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.DEVNULL,
                 stderr=asyncio.subprocess.DEVNULL)

@@ -51,6 +51,17 @@ the same directories) and the hardening in ``config.json`` are the runc driver's
   fail inside (ENOMEM); but the Sentry's own overhead can tip the cgroup over first,
   and then the host OOM-kills the Sentry and the whole sandbox stops (reported as
   ``oom``), where a native sandbox loses one process. Which happens is a race.
+- **Its control sockets are in a network namespace of the driver's own**: runsc binds
+  each sandbox's control server on the abstract Unix socket ``@runsc-sandbox.<id>`` in
+  the netns of whoever ran ``runsc run``, and abstract sockets have no file mode. The
+  Sentry's server admits a peer whose uid equals its own getuid() - 65534 in the user
+  namespace runsc gives it, where every unmapped host uid also reads as 65534 - so in
+  the host netns every host user could call ``containerManager.ExecuteAsync`` (a root
+  shell inside), ``Processes`` or ``Checkpoint`` (found by hx, test
+  tests/security/hx_hardening/test_gvisor_control_socket.py). Every runsc command runs
+  under ``nsenter --net=<root_dir>/control.netns`` (a namespace pinned there, kept across
+  edge restarts so re-adopted sandboxes stay reachable; ~1 ms per command), and the
+  platform probe's ``runsc do`` in a throwaway one (``unshare --net``).
 - **Logs**: ``run``'s log goes to a pipe read only while ``run`` runs, then closed: the
   Sentry and gofer keep the log descriptor for their lives, and a file there would be
   host disk a sandbox could fill (warnings it provokes) after its unlink.
@@ -72,7 +83,8 @@ import stat
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Set as AbstractSet
 
 from dsec.edge.backends.container import linux
 from dsec.edge.backends.container.box import Box
@@ -89,12 +101,26 @@ from dsec.edge.backends.container.runc import (
 )
 from dsec.edge.governor import ExecCgroup
 from dsec.errors import BackendError, CannotRun, DsecError, InvalidArgument
+from dsec.net.netns import new_netns, open_pinned, pin, unpin
 from dsec.net.seccomp import compile_profile
 from dsec.wire.spec import ExecChunk, ExecRequest, ExecResult
 
-__all__ = ["BUSYBOX", "BUSYBOX_IN", "HELPERS_IN", "HIDDEN_PREFIXES", "KILL_SCRIPT", "PLATFORMS",
-           "RunscDriver", "choose_platform", "listed_platforms", "probe_platform",
-           "runsc_config", "write_helpers"]
+__all__ = [
+    "BUSYBOX",
+    "BUSYBOX_IN",
+    "HELPERS_IN",
+    "HIDDEN_PREFIXES",
+    "KILL_SCRIPT",
+    "PLATFORMS",
+    "RunscDriver",
+    "choose_platform",
+    "helpers_bound",
+    "listed_platforms",
+    "probe_platform",
+    "runsc_config",
+    "stale_helpers",
+    "write_helpers",
+]
 
 #: platforms by preference (fastest first): systrap (seccomp traps, gVisor >= 2023),
 #: kvm (hardware virtualisation, needs a usable /dev/kvm), ptrace (works everywhere)
@@ -113,6 +139,7 @@ log = logging.getLogger("dsec.edge.container.runsc")
 #: the sandbox's pids.max on the host, so ``pids_max`` still means about what the
 #: sandbox's own processes may number (each of them is also a host stub task on ptrace)
 SENTRY_PIDS = 256
+CONTROL_NETNS = "control.netns"   # under root_dir: the netns runsc commands run in
 CREATE_TIMEOUT_S = 60.0           # a platform that hangs (kvm on PVM) must not hang create
 
 # Kills, from inside the sandbox, every task of session/process group $1 and every
@@ -167,8 +194,9 @@ def _probe_one(binary: str, state: str, platform: str, timeout_s: float) -> bool
     session: ours, unreaped, so its id names nobody else) is killed."""
     if platform == "kvm" and not os.access("/dev/kvm", os.R_OK | os.W_OK):
         return False
-    proc = subprocess.Popen(
-        [binary, "--root", state, f"--platform={platform}", "--network=none",
+    proc = subprocess.Popen(   # a netns of its own: the probe's control socket (below)
+        ["unshare", "--net", "--", binary, "--root", state, f"--platform={platform}",
+         "--network=none",
          "do", "/bin/true"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL, start_new_session=True)
     try:
@@ -299,6 +327,60 @@ def write_helpers(parent: str, *, busybox: str, nsexec: str, seccomp: bytes) -> 
     return path
 
 
+#: a ``.build-*`` directory younger than this may be a maker's in flight
+BUILD_KEEP_S = 600.0
+
+
+def stale_helpers(names: Sequence[str], keep: AbstractSet[str], ages: dict[str, float],
+                  *, build_keep_s: float = BUILD_KEEP_S) -> list[str]:
+    """The entries of the helpers parent to remove (pure): every content directory no
+    sandbox binds and this driver does not use (``keep``: names), and ``.build-*`` left
+    over older than ``build_keep_s`` (``ages``: seconds since their mtime)."""
+    out = []
+    for n in names:
+        if n.startswith(".build-"):
+            if ages.get(n, 0.0) > build_keep_s:
+                out.append(n)
+        elif n not in keep:
+            out.append(n)
+    return sorted(out)
+
+
+def helpers_bound(config_paths: Iterable[str]) -> set[str]:
+    """The host directories the bundles at ``config_paths`` bind at :data:`HELPERS_IN`
+    (a bundle that cannot be read binds nothing we could know of)."""
+    out = set()
+    for path in config_paths:
+        try:
+            with open(path, "rb") as f:
+                cfg = json.loads(f.read(1 << 22))
+            for m in cfg.get("mounts") or ():
+                if isinstance(m, dict) and m.get("destination") == HELPERS_IN:
+                    out.add(os.path.realpath(str(m.get("source"))))
+        except (OSError, ValueError, AttributeError):
+            continue
+    return out
+
+
+def pin_control_netns(path: str) -> str:
+    """A private network namespace pinned at ``path`` (the one already pinned there,
+    e.g. by the edge before a restart, is kept): where runsc's abstract control sockets
+    live, out of host users' reach (module docstring)."""
+    fd = open_pinned(path)
+    if fd is None:
+        fd = new_netns()
+        try:
+            pin(fd, path)
+        except OSError as exc:
+            raise BackendError(f"cannot pin the gvisor tier's control network namespace "
+                               f"at {path}: {exc}") from exc
+        finally:
+            os.close(fd)
+    else:
+        os.close(fd)
+    return path
+
+
 def _caller_mistake(err: str) -> int | None:
     """127 (no such program), 126 (no such cwd) for ``runsc exec``'s error text, or None."""
     if "failed to find initial working directory" in err:
@@ -330,6 +412,50 @@ class RunscDriver(RuncDriver):
         self.nsexec = ensure_nsexec()
         self.root_dir = root_dir
         self._helpers: dict[bool, str] = {}
+        self.control_netns = pin_control_netns(os.path.join(root_dir, CONTROL_NETNS))
+        #: sandbox -> its control socket is in the host's netns (:meth:`_legacy`)
+        self._legacy_known: dict[str, bool] = {}
+        self._host_sockets: tuple[float, bytes] | None = None
+
+    def _launcher(self, args: Sequence[str] = ()) -> list[str]:
+        """``nsenter`` into the control namespace - except for a sandbox an edge of
+        before it started (its control socket is in the host's netns, where ``runsc``
+        must connect: :meth:`_legacy`)."""
+        if any(self._legacy(a) for a in args):
+            return []
+        return ["nsenter", f"--net={self.control_netns}", "--"]
+
+    def _legacy(self, arg: str) -> bool:
+        """Whether ``arg`` names a sandbox whose control socket is in the host's network
+        namespace (started by an edge before the control namespace: it stays reachable
+        by host users until it is recreated, and is logged once). Checked once per
+        sandbox, and only for names that have runsc state here."""
+        known = self._legacy_known.get(arg)
+        if known is not None:
+            return known
+        if not arg or arg[0] == "-" or "/" in arg or len(arg) > 128 or not os.path.exists(
+                os.path.join(self.state_root, f"{arg}_sandbox:{arg}.state")):
+            return False
+        now = time.monotonic()
+        if self._host_sockets is None or now - self._host_sockets[0] > 5.0:
+            try:   # the host netns's socket table, read at most every 5 s (adoption)
+                with open("/proc/self/net/unix", "rb") as f:
+                    self._host_sockets = (now, f.read())
+            except OSError:
+                self._host_sockets = (now, b"")
+        legacy = f"@runsc-sandbox.{arg}@".encode() in self._host_sockets[1]
+        if legacy:
+            log.warning("gvisor sandbox %s was started by an older edge: its control socket "
+                        "is in the host's network namespace, open to every host user, "
+                        "until it is recreated (docs/host-security.md)", arg)
+        self._legacy_known[arg] = legacy
+        return legacy
+
+    def release(self) -> None:
+        """Unpin the control namespace (only when no sandbox of this root is left: a
+        live one's control socket is in it)."""
+        with contextlib.suppress(OSError):
+            unpin(self.control_netns)
 
     def _global_args(self) -> list[str]:
         return [f"--platform={self.platform}", "--network=none", "--overlay2=none",
@@ -353,6 +479,35 @@ class RunscDriver(RuncDriver):
                 nsexec=self.nsexec, seccomp=compile_profile(allow_nested=nested))
         return self._helpers[nested]
 
+    def gc_helpers(self, box_dirs: Iterable[str]) -> list[str]:
+        """Remove the helper directories (``<root_dir>/runsc-helpers/<digest>``) that no
+        sandbox in ``box_dirs`` binds and this driver does not use: every edge upgrade
+        that changes nsexec, busybox or the seccomp profile made a new one, and nothing
+        removed the old (hx). A directory a live sandbox binds must stay whole: the bind
+        shares its inodes, so deleting inside it would delete in the sandbox too.
+        Returns the names removed (blocking: run in a thread)."""
+        parent = os.path.join(self.root_dir, "runsc-helpers")
+        try:
+            entries = {e.name: e for e in os.scandir(parent)}
+        except FileNotFoundError:
+            return []
+        keep = {os.path.basename(p) for p in self._helpers.values()}
+        keep |= {os.path.basename(p) for p in helpers_bound(
+            os.path.join(d, "config.json") for d in box_dirs)
+            if os.path.dirname(p) == os.path.realpath(parent)}
+        now = time.time()
+        ages = {}
+        for n, e in entries.items():
+            with contextlib.suppress(OSError):
+                ages[n] = now - e.stat(follow_symlinks=False).st_mtime
+        gone = stale_helpers(sorted(entries), keep, ages)
+        for n in gone:
+            path = os.path.join(parent, n)
+            with contextlib.suppress(OSError):
+                os.chmod(path, 0o700)   # made 0555: its entries cannot go otherwise
+            shutil.rmtree(path, ignore_errors=True)
+        return gone
+
     def files(self, box: Box, **kw: object) -> SandboxFiles:
         """The sandbox's files: its overlay root as the gofer serves it (the Sentry's own
         process has an empty root: /proc/<pid>/root shows nothing of the sandbox)."""
@@ -365,6 +520,7 @@ class RunscDriver(RuncDriver):
         with open(os.path.join(box.dir, "config.json"), "w") as f:  # noqa: ASYNC230
             json.dump(self._config(box), f)
         pid_file = os.path.join(box.dir, "init.pid")
+        self._legacy_known[box.sid] = False   # started now, in the control namespace
         code, err = await self._run_piped_log(
             "run", "--detach", "--bundle", box.dir, "--pid-file", pid_file, box.sid)
         if code != 0:
@@ -382,6 +538,7 @@ class RunscDriver(RuncDriver):
         for suffix in (".state", ".lock"):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(os.path.join(self.state_root, f"{sid}_sandbox:{sid}{suffix}"))
+        self._legacy_known.pop(sid, None)
         name = self.cgroup_parent.removeprefix("dsec-")
         try:
             dirs = [os.path.join(p, sid) for p in cgroup_parents(name)]
@@ -415,7 +572,8 @@ class RunscDriver(RuncDriver):
         try:
             try:
                 proc = await asyncio.create_subprocess_exec(
-                    self.binary, "--root", self.state_root, "--log-fd", str(w),
+                    *self._launcher(args), self.binary, "--root", self.state_root,
+                    "--log-fd", str(w),
                     "--log-format", "json", *self._global_args(), *args,
                     stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
                     stderr=asyncio.subprocess.DEVNULL, pass_fds=(w,))
@@ -544,7 +702,8 @@ class RunscDriver(RuncDriver):
                           t0: float) -> ExecResult:
         log = os.path.join(self.state_root, f".log-{self._owner}-{next(self._seq)}")
         proc, pump, feeder = await self._spawn_piped(
-            [self.binary, "--root", self.state_root, "--log", log, "--log-format", "json",
+            [*self._launcher(args), self.binary, "--root", self.state_root, "--log", log,
+             "--log-format", "json",
              *self._global_args(), *args], req, on_chunk)
         timed_out = False
         died = asyncio.ensure_future(box.exited.wait())

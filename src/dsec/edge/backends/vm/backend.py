@@ -113,6 +113,17 @@ __all__ = ["VmBackend"]
 
 log = logging.getLogger("dsec.edge.vm")
 
+#: a packed image-directory layer unused this long, attached by no VM, is removed
+PACKED_KEEP_S = 600.0
+
+
+def stale_packed(names: list[str], attached: AbstractSet[str], ages: dict[str, float],
+                 *, keep_s: float = PACKED_KEEP_S) -> list[str]:
+    """Which files of ``<root_dir>/layers`` to remove (pure): those no VM attaches and
+    untouched for ``keep_s`` (``ages``: seconds since their mtime), temporary ones
+    (``.<pid>.tmp``, a pack in flight or a crash's) included once that old."""
+    return sorted(n for n in names if n not in attached and ages.get(n, 0.0) > keep_s)
+
 DEFAULT_DISK_BYTES = 1 << 30
 #: free space a create leaves on the state filesystem beyond the scratch disk it reserves
 #: and the memory file a pause of the sandbox will write (vm.json, snapshot tars, logs)
@@ -552,11 +563,38 @@ class VmBackend:
                         continue
                     os.unlink(e.path)
 
+    def _gc_packed(self) -> list[str]:
+        """Remove the EROFS files packed from image directories (``<root_dir>/layers``,
+        :meth:`_pack_dir`) that no VM of this backend attaches and that no create used in
+        the last :data:`PACKED_KEEP_S` (a create between packing and launching holds
+        none yet; reuse refreshes the mtime). Each repack of a changed directory made a
+        new file and nothing removed the old (hx). Returns the names removed (blocking)."""
+        with self._pmem_lock:
+            try:
+                entries = list(os.scandir(self._erofs_cache))
+            except FileNotFoundError:
+                return []
+            attached = {os.path.basename(p) for vm in list(self._vms.values())
+                        for p in vm.rec.layer_files
+                        if os.path.dirname(p) == self._erofs_cache}
+            now = time.time()
+            ages = {}
+            for e in entries:
+                with contextlib.suppress(OSError):
+                    ages[e.name] = now - e.stat(follow_symlinks=False).st_mtime
+            gone = stale_packed(sorted(ages), attached, ages)
+            for n in gone:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(self._erofs_cache, n))
+            return gone
+
     def _pack_dir(self, path: str) -> str:
         st = os.stat(path)
         key = hashlib.sha256(f"{path}\0{st.st_ino}\0{st.st_mtime_ns}".encode()).hexdigest()[:24]
         os.makedirs(self._erofs_cache, mode=0o700, exist_ok=True)
         out = os.path.join(self._erofs_cache, key + ".erofs")
+        with self._pmem_lock, contextlib.suppress(FileNotFoundError):
+            os.utime(out)   # in use again: _gc_packed keeps it for PACKED_KEEP_S
         if not os.path.exists(out):
             tmp = out + f".{os.getpid()}.tmp"
             dax = MKFS_DAX_ARGS if self._pmem else ()  # vd: DAX needs no inline tails
@@ -1109,6 +1147,7 @@ class VmBackend:
         await self._teardown(vm)
         if self._pmem:
             await asyncio.to_thread(self._gc_pmem)
+        await asyncio.to_thread(self._gc_packed)
 
     async def adopt(self, sid: SandboxId, spec: SandboxSpec) -> bool:
         """Take over a sandbox an earlier edge left, deciding from what is on the host,
@@ -1697,6 +1736,7 @@ class VmBackend:
         for sid in sorted(set(procs) & set(keep) & set(self._vms)):
             await self._stray_qemus(self._vms[sid], procs[sid])
         await asyncio.to_thread(self._gc_pmem)
+        await asyncio.to_thread(self._gc_packed)
         return out
 
     async def _stray_qemus(self, vm: _Vm, pids: list[int]) -> None:
