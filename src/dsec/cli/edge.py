@@ -43,8 +43,8 @@ def _labels(values: tuple[str, ...]) -> dict[str, str]:
     return out
 
 
-def _extra_opts(values: tuple[str, ...], backends: tuple[str, ...]) -> dict[str, dict[str, str]]:
-    out: dict[str, dict[str, str]] = {}
+def _extra_opts(values: tuple[str, ...], backends: tuple[str, ...]) -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
     for v in values:
         target, sep, val = v.partition("=")
         name, dot, key = target.partition(".")
