@@ -272,3 +272,67 @@ def test_dsec_up_prints_eval_able_export_lines(tmp_path) -> None:  # type: ignor
     finally:
         p.send_signal(signal.SIGTERM)
         assert p.wait(30) == 0
+
+
+def test_background_processes_ps_attach_signal(cluster: LocalCluster) -> None:
+    """``exec -d`` prints a pid; ``ps`` lists it; ``attach`` from another process (a child
+    CLI, not this one) prints what it printed before and after it was attached, and exits
+    with its code; ``signal`` ends one with the signal's exit code."""
+    code, out = _run(cluster, "sandbox", "create", "--json")
+    sid = json.loads(out)[0]["id"]
+    try:
+        code, out = _run(cluster, "sandbox", "exec", "-d", sid, "--shell",
+                         "echo before; sleep 1; echo after; exit 7")
+        assert code == 0, out
+        pid = int(out.strip())
+        code, out = _run(cluster, "sandbox", "ps", sid, "--json")
+        assert code == 0 and any(p["pid"] == pid and p.get("running", True) for p in json.loads(out)), out
+        time.sleep(0.3)       # "before" is in the ring before anyone attached
+        r = subprocess.run([*DSEC, "sandbox", "attach", sid, str(pid)], check=False, env={
+            **os.environ, **_env(cluster)}, capture_output=True, timeout=60)
+        assert (r.returncode, r.stdout, r.stderr) == (7, b"before\nafter\n", b""), r
+        code, out = _run(cluster, "sandbox", "ps", sid)
+        assert code == 0 and re.search(rf"\b{pid}\b.*exit 7", out), out
+        # attached again after it ended: the same output, the same code
+        code, out = _run(cluster, "sandbox", "attach", sid, str(pid), "--json")
+        got = json.loads(out)
+        assert code == 7 and got["stdout"] == "before\nafter\n" and got["exit_code"] == 7, out
+        code, out = _run(cluster, "sandbox", "exec", "-d", sid, "sleep", "100")
+        sleeper = int(out.strip())
+        code, out = _run(cluster, "sandbox", "attach", sid, str(sleeper), "--timeout", "0.3")
+        assert code == 124 and "still running" in out, out
+        code, out = _run(cluster, "sandbox", "signal", sid, str(sleeper), "-s", "INT")
+        assert code == 0 and "SIGINT" in out, out
+        code, out = _run(cluster, "sandbox", "attach", sid, str(sleeper), "--json")
+        assert code == 128 + signal.SIGINT, out
+        code, out = _run(cluster, "sandbox", "signal", sid, str(sleeper), "-s", "NOPE")
+        assert code == 2 and "no signal" in out, out
+        code, out = _run(cluster, "sandbox", "attach", sid, "99999")
+        assert code == 1 and "has no process 99999" in out, out
+    finally:
+        _run(cluster, "sandbox", "rm", sid)
+
+
+def test_get_shows_the_lifetime_and_why_it_is_paused(cluster: LocalCluster) -> None:
+    """Paused, the TTL clock stops (``ttl left`` stays, no ``expires at``); an idle
+    auto-pause says ``idle``, a requested one ``requested`` (SDK: test_lifetimes.py)."""
+    code, out = _run(cluster, "sandbox", "create", "--ttl", "600", "--json")
+    sid = json.loads(out)[0]["id"]
+    code, out = _run(cluster, "sandbox", "create", "--idle-timeout", "1", "--idle-action",
+                     "pause", "--json")
+    idle = json.loads(out)[0]["id"]
+    try:
+        code, out = _run(cluster, "sandbox", "get", sid)
+        assert code == 0 and "expires at:" in out and "node: edge-0" in out, out
+        assert _run(cluster, "sandbox", "pause", sid)[0] == 0
+        code, out = _run(cluster, "sandbox", "get", sid)
+        assert "expires at:" not in out and re.search(r"ttl left: (5\d\d|600)s", out), out
+        assert "paused: requested" in out and "kept paused until:" in out, out
+        deadline = time.monotonic() + 20
+        while "paused: idle" not in (out := _run(cluster, "sandbox", "get", idle)[1]):
+            assert time.monotonic() < deadline, out
+            time.sleep(0.2)
+        code, out = _run(cluster, "sandbox", "logs", idle)
+        assert re.search(r"-> paused\s+idle", out), out
+    finally:
+        _run(cluster, "sandbox", "rm", sid, idle)

@@ -57,3 +57,33 @@ def test_set_timeout_extend_and_kill_9_of_the_edge(protocol: str) -> None:
         assert p.state == "paused" and p.ttl_left_s == 777 and p.paused_reason == "requested"
         sb.kill()
         paused.kill()
+
+
+@pytest.mark.parametrize("protocol", ["http", "aether"])
+def test_the_clock_stops_while_paused_and_an_idle_pause_says_idle(protocol: str) -> None:
+    """Real time, through the SDK (CLI: tests/cli/test_cli19.py): a sandbox with ttl=2
+    paused for 3 s is still there with its 2 s left, and once resumed its TTL ends it
+    (reason ``ttl``); ``idle_timeout`` with ``idle_action="pause"`` pauses with reason
+    ``idle``, not ``requested``."""
+    with LocalCluster(edges=1) as cl, cl.client(protocol=protocol, session_lease_s=None) as c:
+        sb = c.sandboxes.create(ttl=2)
+        idle = c.sandboxes.create(idle_timeout=1, idle_action="pause")
+        sb.pause()
+        time.sleep(3)
+        info = c.sandboxes.get(sb.id).info
+        assert info.state == "paused" and info.paused_reason == "requested", info
+        assert info.expires_at is None and 1.5 < (info.ttl_left_s or 0) <= 2, info
+        info = _until("the idle pause", lambda: (i := c.sandboxes.get(idle.id).info)
+                      .state == "paused" and i)
+        assert info.paused_reason == "idle", info
+        assert [(e.to_state, e.reason) for e in idle.events()][-2:] == [
+            ("pausing", "idle"), ("paused", "idle")]
+        resumed = time.monotonic()
+        sb.resume()
+        sb.resume()                               # resume of a running one succeeds
+        got = c.sandboxes.get(sb.id).info
+        assert got.state == "running" and got.expires_at is not None, got
+        _until("the ttl", lambda: c.sandboxes.get(sb.id).info.state == "destroyed", 20)
+        assert time.monotonic() - resumed >= 1.5      # the 2 s left ran only now
+        assert [(e.to_state, e.reason) for e in sb.events()][-1] == ("destroyed", "ttl")
+        idle.kill()

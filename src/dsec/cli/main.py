@@ -30,10 +30,10 @@ COMMANDS: dict[str, str] = {
 
 
 # Commands another module adds to a group (`register(group)`), so that module may import
-# the group's helpers without an import cycle (issue 19: `dsec sandbox stats|timeout|shell|cp`).
+# the group's helpers without an import cycle (issue 19: `dsec sandbox stats|timeout|shell|cp|ps|attach|signal`).
 EXTENSIONS: dict[str, tuple[str, ...]] = {
     "sandbox": ("dsec.cli.lifetime:register", "dsec.cli.shell:register",
-                "dsec.cli.cp:register"),
+                "dsec.cli.cp:register", "dsec.cli.procs:register"),
 }
 
 
