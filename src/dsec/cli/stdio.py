@@ -53,6 +53,14 @@ def stdin_to_forward() -> int | bytes | None:
     return fd
 
 
+async def _oom_kills(sb: Any) -> int | None:
+    """The sandbox's OOM kill count now (None: its stats cannot be read)."""
+    try:
+        return int((await sb.stats()).oom_kills)
+    except Exception:  # noqa: BLE001 - stats are a hint here, never a reason to fail
+        return None
+
+
 async def exec_with_stdin(url: str | None, api_key: str | None, sandbox_id: str,
                           cmd: str | list[str], fd: int, *, timeout: float | None,
                           cwd: str | None, env: dict[str, str],
@@ -64,6 +72,9 @@ async def exec_with_stdin(url: str | None, api_key: str | None, sandbox_id: str,
     loop = asyncio.get_running_loop()
     async with AsyncClient(url, api_key, session_lease_s=None) as c:
         sb = await c.sandboxes.get(sandbox_id)
+        # the process table's results carry no oom_killed (exec's do): the sandbox's OOM
+        # counter moving while it ran says it, as exec's own check does on the edge
+        ooms = await _oom_kills(sb)
         h = await sb.processes.start(cmd, stdin=True, timeout=timeout, cwd=cwd, env=env)
 
         async def feed() -> None:
@@ -85,7 +96,9 @@ async def exec_with_stdin(url: str | None, api_key: str | None, sandbox_id: str,
                     if isinstance(item, ExecChunk):
                         (on_stdout if item.stream == "stdout" else on_stderr)(item.data)
                     else:
-                        return item.exit_code, bool(item.timed_out), bool(item.oom_killed)
+                        oom = bool(item.oom_killed) or (
+                            ooms is not None and ((await _oom_kills(sb)) or 0) > ooms)
+                        return item.exit_code, bool(item.timed_out), oom
         finally:
             feeder.cancel()
     return 1, False, False
