@@ -336,3 +336,57 @@ def test_get_shows_the_lifetime_and_why_it_is_paused(cluster: LocalCluster) -> N
         assert re.search(r"-> paused\s+idle", out), out
     finally:
         _run(cluster, "sandbox", "rm", sid, idle)
+
+
+def test_fs_commands_and_the_paused_rule(cluster: LocalCluster) -> None:
+    """``dsec sandbox fs``: mkdir/ls/stat/mv/rm and watch (in a child process, while this
+    one writes); reads of a paused sandbox leave it paused, a write resumes it."""
+    code, out = _run(cluster, "sandbox", "create", "--json")
+    sid = json.loads(out)[0]["id"]
+    env = {**os.environ, **_env(cluster)}
+    try:
+        assert _run(cluster, "sandbox", "fs", "mkdir", sid, "/work/a/b")[0] == 0
+        watcher = subprocess.Popen([*DSEC, "sandbox", "fs", "watch", sid, "/work/a",
+                                    "--timeout", "20", "--json"], env=env,
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        try:
+            with cluster.client(protocol="http", session_lease_s=None) as c:
+                sb = c.sandboxes.get(sid)
+                deadline = time.monotonic() + 20
+                seen: list[dict] = []          # type: ignore[type-arg]
+                assert watcher.stdout is not None
+                os.set_blocking(watcher.stdout.fileno(), False)
+                n = 0
+                while not any(e["path"] == "/work/a/f.txt" for e in seen):
+                    assert time.monotonic() < deadline, seen
+                    sb.files.write("/work/a/f.txt", f"x{n}")   # until the watch is up
+                    n += 1
+                    time.sleep(0.2)
+                    for line in (watcher.stdout.read() or b"").splitlines():
+                        seen.append(json.loads(line))
+        finally:
+            watcher.kill()
+            watcher.wait(10)
+        code, out = _run(cluster, "sandbox", "fs", "ls", sid, "/work/a", "--json")
+        assert code == 0 and {f["path"] for f in json.loads(out)} == {
+            "/work/a/b", "/work/a/f.txt"}, out
+        code, out = _run(cluster, "sandbox", "fs", "mv", sid, "/work/a/f.txt", "/work/a/g")
+        assert code == 0, out
+        code, out = _run(cluster, "sandbox", "fs", "stat", sid, "/work/a/g", "--json")
+        assert code == 0 and json.loads(out)["type"] == "file", out
+        code, out = _run(cluster, "sandbox", "fs", "stat", sid, "/work/a/f.txt")
+        assert code == 1 and "f.txt" in out, out
+        code, out = _run(cluster, "sandbox", "fs", "rm", sid, "/work/a")
+        assert code == 1, out              # a directory needs -r
+        # the paused rule: ls/stat leave it paused, mkdir (a write) resumes it
+        assert _run(cluster, "sandbox", "pause", sid)[0] == 0
+        code, out = _run(cluster, "sandbox", "fs", "ls", sid, "/work/a")
+        assert code == 0 and "/work/a/g" in out, out
+        assert json.loads(_run(cluster, "sandbox", "get", sid, "--json")[1])["state"] == "paused"
+        assert _run(cluster, "sandbox", "fs", "mkdir", sid, "/work/c")[0] == 0
+        assert json.loads(_run(cluster, "sandbox", "get", sid, "--json")[1])["state"] == "running"
+        assert _run(cluster, "sandbox", "fs", "rm", sid, "/work/a", "-r")[0] == 0
+        code, out = _run(cluster, "sandbox", "fs", "ls", sid, "/work", "--json")
+        assert [f["path"] for f in json.loads(out)] == ["/work/c"], out
+    finally:
+        _run(cluster, "sandbox", "rm", sid)

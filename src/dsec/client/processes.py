@@ -21,7 +21,7 @@ from typing import Protocol
 
 import msgspec
 
-from dsec.client.parts import Runs, SandboxPart
+from dsec.client.parts import Runs, SandboxPart, closing
 from dsec.errors import InvalidArgument, RequestTimeout
 from dsec.wire import ops
 from dsec.wire.calls import ExecCall, SandboxRef
@@ -119,19 +119,12 @@ class AsyncProcessHandle:
     async def stream(self) -> AsyncGenerator[ExecChunk | ExecResult, None]:
         """Every output chunk, then the :class:`ExecResult` (one ``process_connect``)."""
         t = await self._sb._c._transport()
-        # aclosing: a consumer that stops early (the result came, a break) closes the
-        # transport's stream now, not in a finalizer the sync client's loop never runs
-        # ("Task was destroyed but it is pending!" at exit)
-        items = t.stream(ops.PROCESS_CONNECT, self._ref(), timeout=None)
-        try:
+        stream = t.stream(ops.PROCESS_CONNECT, self._ref(), timeout=None)
+        async with closing(stream) as items:
             async for item in items:
                 if isinstance(item, ExecResult):
                     self._result = item
                 yield item
-        finally:
-            aclose = getattr(items, "aclose", None)
-            if aclose is not None:
-                await aclose()
 
     async def __aiter__(self) -> AsyncIterator[ExecChunk]:
         async with contextlib.aclosing(self.stream()) as items:
