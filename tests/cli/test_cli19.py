@@ -299,8 +299,13 @@ def test_background_processes_ps_attach_signal(cluster: LocalCluster) -> None:
         assert code == 7 and got["stdout"] == "before\nafter\n" and got["exit_code"] == 7, out
         code, out = _run(cluster, "sandbox", "exec", "-d", sid, "sleep", "100")
         sleeper = int(out.strip())
+        code, out = _run(cluster, "sandbox", "exec", "-d", "--timeout", "0.5", sid, "sleep",
+                         "100")
+        timed = int(out.strip())
         code, out = _run(cluster, "sandbox", "attach", sid, str(sleeper), "--timeout", "0.3")
         assert code == 124 and "still running" in out, out
+        code, out = _run(cluster, "sandbox", "attach", sid, str(timed), "--json")
+        assert json.loads(out)["timed_out"] is True, out      # --timeout given: it applies
         code, out = _run(cluster, "sandbox", "signal", sid, str(sleeper), "-s", "INT")
         assert code == 0 and "SIGINT" in out, out
         code, out = _run(cluster, "sandbox", "attach", sid, str(sleeper), "--json")

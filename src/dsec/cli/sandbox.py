@@ -311,7 +311,8 @@ def _lifetime_lines(info: Any) -> None:
 @click.option("--shell", is_flag=True, help="Run COMMAND joined as one shell string.")
 @click.option("-d", "--background", is_flag=True,
               help="Start it in the background and print its pid (see `dsec sandbox ps`, "
-                   "`attach`, `signal`); its output is kept for a later attach.")
+                   "`attach`, `signal`); its output is kept for a later attach. No command "
+                   "timeout unless --timeout is given.")
 @conn_options
 def exec_(sandbox_id: str, command: tuple[str, ...], timeout: float | None, cwd: str | None,
           env: tuple[str, ...], shell: bool, background: bool, url: str | None,
@@ -322,6 +323,10 @@ def exec_(sandbox_id: str, command: tuple[str, ...], timeout: float | None, cwd:
     from dsec.cli.stdio import exec_piped, oom_note, stdin_to_forward
     cmd: str | list[str] = " ".join(command) if shell else list(command)
     if background:
+        # as the SDK's exec(background=True): no command timeout unless --timeout is given
+        given = click.get_current_context().get_parameter_source("timeout")
+        if given is not click.core.ParameterSource.COMMANDLINE:
+            timeout = None
         with client(url, api_key) as c:
             h = c.sandboxes.get(sandbox_id).processes.start(
                 cmd, timeout=timeout, cwd=cwd, env=dict(_kv(x) for x in env))
