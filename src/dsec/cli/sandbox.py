@@ -480,8 +480,9 @@ def events(sandbox_id: str, url: str | None, api_key: str | None, as_json: bool)
 @conn_options
 def logs(sandbox_id: str, url: str | None, api_key: str | None, as_json: bool) -> None:
     """What happened to a sandbox, one line per event, oldest first: its lifecycle events
-    (created, paused, resumed, OOM kills, why it died). Output of processes is not
-    retained by the server yet (it is the exec's own result), so it is not shown here."""
+    (created, paused, resumed, OOM kills, why it died). A command's output is its exec's
+    own result; a background process's (`exec -d`) is kept on the edge: `dsec sandbox
+    ps ID`, then `dsec sandbox attach ID PID`."""
     with client(url, api_key) as c:
         evs = c.sandboxes.get(sandbox_id).events()
     if as_json:
