@@ -272,3 +272,126 @@ def test_dsec_up_prints_eval_able_export_lines(tmp_path) -> None:  # type: ignor
     finally:
         p.send_signal(signal.SIGTERM)
         assert p.wait(30) == 0
+
+
+def test_background_processes_ps_attach_signal(cluster: LocalCluster) -> None:
+    """``exec -d`` prints a pid; ``ps`` lists it; ``attach`` from another process (a child
+    CLI, not this one) prints what it printed before and after it was attached, and exits
+    with its code; ``signal`` ends one with the signal's exit code."""
+    code, out = _run(cluster, "sandbox", "create", "--json")
+    sid = json.loads(out)[0]["id"]
+    try:
+        code, out = _run(cluster, "sandbox", "exec", "-d", sid, "--shell",
+                         "echo before; sleep 1; echo after; exit 7")
+        assert code == 0, out
+        pid = int(out.strip())
+        code, out = _run(cluster, "sandbox", "ps", sid, "--json")
+        assert code == 0 and any(p["pid"] == pid and p.get("running", True) for p in json.loads(out)), out
+        time.sleep(0.3)       # "before" is in the ring before anyone attached
+        r = subprocess.run([*DSEC, "sandbox", "attach", sid, str(pid)], check=False, env={
+            **os.environ, **_env(cluster)}, capture_output=True, timeout=60)
+        assert (r.returncode, r.stdout, r.stderr) == (7, b"before\nafter\n", b""), r
+        code, out = _run(cluster, "sandbox", "ps", sid)
+        assert code == 0 and re.search(rf"\b{pid}\b.*exit 7", out), out
+        # attached again after it ended: the same output, the same code
+        code, out = _run(cluster, "sandbox", "attach", sid, str(pid), "--json")
+        got = json.loads(out)
+        assert code == 7 and got["stdout"] == "before\nafter\n" and got["exit_code"] == 7, out
+        code, out = _run(cluster, "sandbox", "exec", "-d", sid, "sleep", "100")
+        sleeper = int(out.strip())
+        code, out = _run(cluster, "sandbox", "exec", "-d", "--timeout", "0.5", sid, "sleep",
+                         "100")
+        timed = int(out.strip())
+        code, out = _run(cluster, "sandbox", "attach", sid, str(sleeper), "--timeout", "0.3")
+        assert code == 124 and "still running" in out, out
+        code, out = _run(cluster, "sandbox", "attach", sid, str(timed), "--json")
+        assert json.loads(out)["timed_out"] is True, out      # --timeout given: it applies
+        code, out = _run(cluster, "sandbox", "signal", sid, str(sleeper), "-s", "INT")
+        assert code == 0 and "SIGINT" in out, out
+        code, out = _run(cluster, "sandbox", "attach", sid, str(sleeper), "--json")
+        assert code == 128 + signal.SIGINT, out
+        code, out = _run(cluster, "sandbox", "signal", sid, str(sleeper), "-s", "NOPE")
+        assert code == 2 and "no signal" in out, out
+        code, out = _run(cluster, "sandbox", "attach", sid, "99999")
+        assert code == 1 and "has no process 99999" in out, out
+    finally:
+        _run(cluster, "sandbox", "rm", sid)
+
+
+def test_get_shows_the_lifetime_and_why_it_is_paused(cluster: LocalCluster) -> None:
+    """Paused, the TTL clock stops (``ttl left`` stays, no ``expires at``); an idle
+    auto-pause says ``idle``, a requested one ``requested`` (SDK: test_lifetimes.py)."""
+    code, out = _run(cluster, "sandbox", "create", "--ttl", "600", "--json")
+    sid = json.loads(out)[0]["id"]
+    code, out = _run(cluster, "sandbox", "create", "--idle-timeout", "1", "--idle-action",
+                     "pause", "--json")
+    idle = json.loads(out)[0]["id"]
+    try:
+        code, out = _run(cluster, "sandbox", "get", sid)
+        assert code == 0 and "expires at:" in out and "node: edge-0" in out, out
+        assert _run(cluster, "sandbox", "pause", sid)[0] == 0
+        code, out = _run(cluster, "sandbox", "get", sid)
+        assert "expires at:" not in out and re.search(r"ttl left: (5\d\d|600)s", out), out
+        assert "paused: requested" in out and "kept paused until:" in out, out
+        deadline = time.monotonic() + 20
+        while "paused: idle" not in (out := _run(cluster, "sandbox", "get", idle)[1]):
+            assert time.monotonic() < deadline, out
+            time.sleep(0.2)
+        code, out = _run(cluster, "sandbox", "logs", idle)
+        assert re.search(r"-> paused\s+idle", out), out
+    finally:
+        _run(cluster, "sandbox", "rm", sid, idle)
+
+
+def test_fs_commands_and_the_paused_rule(cluster: LocalCluster) -> None:
+    """``dsec sandbox fs``: mkdir/ls/stat/mv/rm and watch (in a child process, while this
+    one writes); reads of a paused sandbox leave it paused, a write resumes it."""
+    code, out = _run(cluster, "sandbox", "create", "--json")
+    sid = json.loads(out)[0]["id"]
+    env = {**os.environ, **_env(cluster)}
+    try:
+        assert _run(cluster, "sandbox", "fs", "mkdir", sid, "/work/a/b")[0] == 0
+        watcher = subprocess.Popen([*DSEC, "sandbox", "fs", "watch", sid, "/work/a",
+                                    "--timeout", "20", "--json"], env=env,
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        try:
+            with cluster.client(protocol="http", session_lease_s=None) as c:
+                sb = c.sandboxes.get(sid)
+                deadline = time.monotonic() + 20
+                seen: list[dict] = []          # type: ignore[type-arg]
+                assert watcher.stdout is not None
+                os.set_blocking(watcher.stdout.fileno(), False)
+                n = 0
+                while not any(e["path"] == "/work/a/f.txt" for e in seen):
+                    assert time.monotonic() < deadline, seen
+                    sb.files.write("/work/a/f.txt", f"x{n}")   # until the watch is up
+                    n += 1
+                    time.sleep(0.2)
+                    for line in (watcher.stdout.read() or b"").splitlines():
+                        seen.append(json.loads(line))
+        finally:
+            watcher.kill()
+            watcher.wait(10)
+        code, out = _run(cluster, "sandbox", "fs", "ls", sid, "/work/a", "--json")
+        assert code == 0 and {f["path"] for f in json.loads(out)} == {
+            "/work/a/b", "/work/a/f.txt"}, out
+        code, out = _run(cluster, "sandbox", "fs", "mv", sid, "/work/a/f.txt", "/work/a/g")
+        assert code == 0, out
+        code, out = _run(cluster, "sandbox", "fs", "stat", sid, "/work/a/g", "--json")
+        assert code == 0 and json.loads(out)["type"] == "file", out
+        code, out = _run(cluster, "sandbox", "fs", "stat", sid, "/work/a/f.txt")
+        assert code == 1 and "f.txt" in out, out
+        code, out = _run(cluster, "sandbox", "fs", "rm", sid, "/work/a")
+        assert code == 1, out              # a directory needs -r
+        # the paused rule: ls/stat leave it paused, mkdir (a write) resumes it
+        assert _run(cluster, "sandbox", "pause", sid)[0] == 0
+        code, out = _run(cluster, "sandbox", "fs", "ls", sid, "/work/a")
+        assert code == 0 and "/work/a/g" in out, out
+        assert json.loads(_run(cluster, "sandbox", "get", sid, "--json")[1])["state"] == "paused"
+        assert _run(cluster, "sandbox", "fs", "mkdir", sid, "/work/c")[0] == 0
+        assert json.loads(_run(cluster, "sandbox", "get", sid, "--json")[1])["state"] == "running"
+        assert _run(cluster, "sandbox", "fs", "rm", sid, "/work/a", "-r")[0] == 0
+        code, out = _run(cluster, "sandbox", "fs", "ls", sid, "/work", "--json")
+        assert [f["path"] for f in json.loads(out)] == ["/work/c"], out
+    finally:
+        _run(cluster, "sandbox", "rm", sid)

@@ -1,10 +1,15 @@
 """An OOM kill inside an exec shows in that exec's result at every door (issue 19): the
 SDK over the gateway and over REST (exec's JSON form and the exec_stream NDJSON line),
-on a real container with a real memory hog; and the sandbox's stats count it."""
+and the CLI (``dsec sandbox exec`` says it on stderr, ``--json`` has ``oom_killed``, also
+with piped stdin), on a real container with a real memory hog; and the sandbox's stats
+count it."""
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -34,3 +39,31 @@ def test_oom_killed_through_rest_and_the_gateway() -> None:
                     assert st.net_rx_bytes is not None      # its own network namespace
                 finally:
                     sb.kill()
+
+
+def test_the_cli_says_an_exec_was_oom_killed() -> None:
+    if os.geteuid() != 0:
+        pytest.skip("needs root (CI runs as root)")
+    dsec = [sys.executable, "-c", "from dsec.cli.main import main; main()"]
+    with LocalCluster(edges=1, backend="container") as cl, \
+            cl.client(protocol="http", session_lease_s=None) as c:
+        sb = c.sandboxes.create(memory="64MiB")
+        env = {**os.environ, "DSEC_URL": cl.url, "DSEC_API_KEY": cl.api_key}
+        try:
+            for stdin, extra in ((subprocess.DEVNULL, []), (b"piped\n", []),
+                                 (subprocess.DEVNULL, ["--json"])):
+                r = subprocess.run([*dsec, "sandbox", "exec", sb.id, *extra, "--shell", HOG],
+                                   env=env, capture_output=True, timeout=120,
+                                   check=False, **({"input": stdin} if isinstance(
+                                       stdin, bytes) else {"stdin": stdin}))
+                if extra:
+                    assert json.loads(r.stdout)["oom_killed"] is True, r
+                else:
+                    assert b"survived" in r.stdout and b"OOM killer" in r.stderr, r
+                    assert b"--memory" in r.stderr, r
+            r = subprocess.run([*dsec, "sandbox", "exec", sb.id, "true"], env=env,
+                               capture_output=True, timeout=60, check=False,
+                               stdin=subprocess.DEVNULL)
+            assert r.returncode == 0 and b"OOM" not in r.stderr, r
+        finally:
+            sb.kill()

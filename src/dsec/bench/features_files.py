@@ -38,7 +38,8 @@ def _reset_hwm(pid: int) -> None:
         f.write("5")
 
 
-async def _cat(cl: Any, sid: str, n: int) -> tuple[int, float]:
+async def _cat(cl: Any, sid: str, n: int,
+               proto: Literal["aether", "http"] = "aether") -> tuple[int, float]:
     """``cat`` of the file through exec_stream (its output cap raised to the file's
     size): (bytes seen, seconds)."""
     from dsec.client.core import AsyncClient
@@ -47,7 +48,7 @@ async def _cat(cl: Any, sid: str, n: int) -> tuple[int, float]:
     from dsec.wire.spec import MAX_OUTPUT_CAP_BYTES, ExecChunk, ExecRequest, ExecResult
     req = ExecRequest(shell="cat /work/big", timeout_s=600.0,
                       output_cap_bytes=min(n, MAX_OUTPUT_CAP_BYTES))
-    async with AsyncClient(cl.url, cl.api_key, gateway=cl.gateway, protocol="aether",
+    async with AsyncClient(cl.url, cl.api_key, gateway=cl.gateway, protocol=proto,
                            session_lease_s=None) as c:
         t = await c._transport()
         got = 0
@@ -60,19 +61,20 @@ async def _cat(cl: Any, sid: str, n: int) -> tuple[int, float]:
         return got, time.perf_counter() - t0
 
 
-def _cat_part(ctx: BenchContext, cl: Any, sid: str, n: int, mib: int) -> None:
+def _cat_part(ctx: BenchContext, cl: Any, sid: str, n: int, mib: int,
+              proto: Literal["aether", "http"] = "aether", label: str = "aether") -> None:
     """``exec_cat_read_mbps``; a failure is noted, not fatal to the file figures. Seen
     at load average 34 on the 2-core VM before exec_stream had per-stream credit
     (redteam-19 A2): the starved apiserver read the edge link too slowly, and the edge
     closed the link at 64 MiB of unread replies (every call on it failed)."""
     try:
-        got, dt = asyncio.run(_cat(cl, sid, n))
+        got, dt = asyncio.run(_cat(cl, sid, n, proto))
     except Exception as exc:  # noqa: BLE001 - recorded as a note
-        ctx.note(f"exec_cat_read_mbps not measured: {type(exc).__name__}: {exc}")
+        ctx.note(f"exec_cat_read_mbps ({label}) not measured: {type(exc).__name__}: {exc}")
         return
-    ctx.record("exec_cat_read_mbps", got / dt / 1e6, "MB/s", transport="aether", mib=mib)
+    ctx.record("exec_cat_read_mbps", got / dt / 1e6, "MB/s", transport=label, mib=mib)
     if got != n:
-        ctx.note(f"cat through exec_stream delivered {got} of {n} bytes")
+        ctx.note(f"cat through exec_stream ({label}) delivered {got} of {n} bytes")
 
 
 def files(ctx: BenchContext) -> None:
@@ -114,8 +116,9 @@ def files(ctx: BenchContext) -> None:
                 ctx.record("file_read_mbps", n / dt / 1e6, "MB/s", transport=label, mib=mib)
                 ctx.record("file_transfer_server_rss_growth_mb", _hwm_mb(pid) - base, "MB",
                            transport=label, mib=mib)
-                if label == "aether":
-                    _cat_part(ctx, cl, sb.id, n, mib)
+                # the baseline of the same run at the same door (issue 19: "vs cat
+                # through exec"): exec_stream's NDJSON over REST, frames over Aether
+                _cat_part(ctx, cl, sb.id, n, mib, proto, label)
     ctx.note("file transfer: SDK -> gateway/REST -> edge link -> edge -> the sandbox's "
              "overlay, each hop under credit (Aether duplex: 256 KiB window per stream) "
              "or TCP's window (REST); figures on the loaded dev VM are relative")

@@ -30,10 +30,12 @@ COMMANDS: dict[str, str] = {
 
 
 # Commands another module adds to a group (`register(group)`), so that module may import
-# the group's helpers without an import cycle (issue 19: `dsec sandbox stats|timeout|shell|cp`).
+# the group's helpers without an import cycle (issue 19: `dsec sandbox
+# stats|timeout|shell|cp|ps|attach|signal|fs`).
 EXTENSIONS: dict[str, tuple[str, ...]] = {
     "sandbox": ("dsec.cli.lifetime:register", "dsec.cli.shell:register",
-                "dsec.cli.cp:register"),
+                "dsec.cli.cp:register", "dsec.cli.procs:register",
+                "dsec.cli.fs:register"),
 }
 
 

@@ -278,6 +278,26 @@ def get(sandbox_id: str, url: str | None, api_key: str | None, as_json: bool) ->
             emit_json(sb.info)
         else:
             _table(sandbox_id, _COLS, [_row(sb.info)])
+            _lifetime_lines(sb.info)
+
+
+def _when(t: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t)) + f" (in {t - time.time():.0f}s)"
+
+
+def _lifetime_lines(info: Any) -> None:
+    """Where it runs and its lifetime: when it ends, or (paused: the clock stops) what it
+    has left, and why it was paused (``requested``, ``idle``, ``ttl``)."""
+    lines = [f"node: {info.node}"]
+    if info.expires_at is not None:
+        lines.append(f"expires at: {_when(info.expires_at)}")
+    if info.ttl_left_s is not None:
+        lines.append(f"ttl left: {info.ttl_left_s:.0f}s (runs again when it resumes)")
+    if info.paused_reason:
+        lines.append(f"paused: {info.paused_reason}")
+    if info.paused_until is not None:
+        lines.append(f"kept paused until: {_when(info.paused_until)}")
+    click.echo("\n".join(escape_text(x) for x in lines))
 
 
 @sandbox.command("exec", context_settings={"ignore_unknown_options": True})
@@ -289,14 +309,29 @@ def get(sandbox_id: str, url: str | None, api_key: str | None, as_json: bool) ->
 @click.option("--cwd", default=None)
 @click.option("--env", "env", multiple=True, help="KEY=VALUE, repeatable.")
 @click.option("--shell", is_flag=True, help="Run COMMAND joined as one shell string.")
+@click.option("-d", "--background", is_flag=True,
+              help="Start it in the background and print its pid (see `dsec sandbox ps`, "
+                   "`attach`, `signal`); its output is kept for a later attach. No command "
+                   "timeout unless --timeout is given.")
 @conn_options
 def exec_(sandbox_id: str, command: tuple[str, ...], timeout: float | None, cwd: str | None,
-          env: tuple[str, ...], shell: bool, url: str | None, api_key: str | None,
-          as_json: bool) -> None:
+          env: tuple[str, ...], shell: bool, background: bool, url: str | None,
+          api_key: str | None, as_json: bool) -> None:
     """Run COMMAND in a sandbox; exits with the command's exit code. Piped stdin is
-    streamed to it (cli/stdio.py)."""
-    from dsec.cli.stdio import exec_piped, stdin_to_forward
+    streamed to it (cli/stdio.py). If the OOM killer killed a process of the sandbox
+    while it ran, that is said on stderr (``oom_killed`` in --json)."""
+    from dsec.cli.stdio import exec_piped, oom_note, stdin_to_forward
     cmd: str | list[str] = " ".join(command) if shell else list(command)
+    if background:
+        # as the SDK's exec(background=True): no command timeout unless --timeout is given
+        given = click.get_current_context().get_parameter_source("timeout")
+        if given is not click.core.ParameterSource.COMMANDLINE:
+            timeout = None
+        with client(url, api_key) as c:
+            h = c.sandboxes.get(sandbox_id).processes.start(
+                cmd, timeout=timeout, cwd=cwd, env=dict(_kv(x) for x in env))
+        emit_json({"pid": h.pid}) if as_json else click.echo(h.pid)
+        return
     src = stdin_to_forward()
     if isinstance(src, int):
         exec_piped(url, api_key, sandbox_id, cmd, src, timeout=timeout, cwd=cwd,
@@ -308,12 +343,14 @@ def exec_(sandbox_id: str, command: tuple[str, ...], timeout: float | None, cwd:
     if as_json:
         emit_json({"exit_code": res.exit_code, "stdout": res.stdout.decode(errors="replace"),
                    "stderr": res.stderr.decode(errors="replace"), "timed_out": res.timed_out,
-                   "duration_s": res.duration_s})
+                   "oom_killed": res.oom_killed, "duration_s": res.duration_s})
         return
     sys.stdout.buffer.write(res.stdout)
     sys.stderr.buffer.write(res.stderr)
     if res.timed_out:
         click.echo(f"command timed out after {timeout or 0:g}s (command timeout)", err=True)
+    if res.oom_killed:
+        click.echo(oom_note(sandbox_id), err=True)
     sys.exit(res.exit_code)
 
 
@@ -443,8 +480,9 @@ def events(sandbox_id: str, url: str | None, api_key: str | None, as_json: bool)
 @conn_options
 def logs(sandbox_id: str, url: str | None, api_key: str | None, as_json: bool) -> None:
     """What happened to a sandbox, one line per event, oldest first: its lifecycle events
-    (created, paused, resumed, OOM kills, why it died). Output of processes is not
-    retained by the server yet (it is the exec's own result), so it is not shown here."""
+    (created, paused, resumed, OOM kills, why it died). A command's output is its exec's
+    own result; a background process's (`exec -d`) is kept on the edge: `dsec sandbox
+    ps ID`, then `dsec sandbox attach ID PID`."""
     with client(url, api_key) as c:
         evs = c.sandboxes.get(sandbox_id).events()
     if as_json:

@@ -23,9 +23,16 @@ import click
 
 from dsec.wire.spec import ExecChunk
 
-__all__ = ["CHUNK", "exec_piped", "exec_with_stdin", "stdin_to_forward"]
+__all__ = ["CHUNK", "exec_piped", "exec_with_stdin", "oom_note", "stdin_to_forward"]
 
 CHUNK = 64 << 10
+
+
+def oom_note(sandbox_id: str) -> str:
+    """What ``exec`` says on stderr when its result has ``oom_killed``."""
+    return (f"the OOM killer killed a process in sandbox {sandbox_id} while this command ran "
+            "(its memory limit was reached; create it with a larger --memory, or see "
+            f"`dsec sandbox stats {sandbox_id}`)")
 
 
 def stdin_to_forward() -> int | bytes | None:
@@ -46,17 +53,28 @@ def stdin_to_forward() -> int | bytes | None:
     return fd
 
 
+async def _oom_kills(sb: Any) -> int | None:
+    """The sandbox's OOM kill count now (None: its stats cannot be read)."""
+    try:
+        return int((await sb.stats()).oom_kills)
+    except Exception:  # noqa: BLE001 - stats are a hint here, never a reason to fail
+        return None
+
+
 async def exec_with_stdin(url: str | None, api_key: str | None, sandbox_id: str,
                           cmd: str | list[str], fd: int, *, timeout: float | None,
                           cwd: str | None, env: dict[str, str],
                           on_stdout: Callable[[bytes], Any],
-                          on_stderr: Callable[[bytes], Any]) -> tuple[int, bool]:
-    """Run ``cmd`` with stdin streamed from ``fd``; (exit code, timed out)."""
+                          on_stderr: Callable[[bytes], Any]) -> tuple[int, bool, bool]:
+    """Run ``cmd`` with stdin streamed from ``fd``; (exit code, timed out, OOM killed)."""
     from dsec.client.core import AsyncClient
 
     loop = asyncio.get_running_loop()
     async with AsyncClient(url, api_key, session_lease_s=None) as c:
         sb = await c.sandboxes.get(sandbox_id)
+        # the process table's results carry no oom_killed (exec's do): the sandbox's OOM
+        # counter moving while it ran says it, as exec's own check does on the edge
+        ooms = await _oom_kills(sb)
         h = await sb.processes.start(cmd, stdin=True, timeout=timeout, cwd=cwd, env=env)
 
         async def feed() -> None:
@@ -73,14 +91,17 @@ async def exec_with_stdin(url: str | None, api_key: str | None, sandbox_id: str,
 
         feeder = asyncio.ensure_future(feed())
         try:
-            async for item in h.stream():
-                if isinstance(item, ExecChunk):
-                    (on_stdout if item.stream == "stdout" else on_stderr)(item.data)
-                else:
-                    return item.exit_code, bool(item.timed_out)
+            async with contextlib.aclosing(h.stream()) as items:
+                async for item in items:
+                    if isinstance(item, ExecChunk):
+                        (on_stdout if item.stream == "stdout" else on_stderr)(item.data)
+                    else:
+                        oom = bool(item.oom_killed) or (
+                            ooms is not None and ((await _oom_kills(sb)) or 0) > ooms)
+                        return item.exit_code, bool(item.timed_out), oom
         finally:
             feeder.cancel()
-    return 1, False
+    return 1, False, False
 
 
 def exec_piped(url: str | None, api_key: str | None, sandbox_id: str, cmd: str | list[str],
@@ -104,7 +125,7 @@ def exec_piped(url: str | None, api_key: str | None, sandbox_id: str, cmd: str |
         return write
 
     try:
-        code, timed_out = asyncio.run(exec_with_stdin(
+        code, timed_out, oom = asyncio.run(exec_with_stdin(
             url, api_key, sandbox_id, cmd, fd, timeout=timeout, cwd=cwd, env=env,
             on_stdout=emit(out, sys.stdout), on_stderr=emit(err, sys.stderr)))
     except DsecError as exc:
@@ -112,7 +133,11 @@ def exec_piped(url: str | None, api_key: str | None, sandbox_id: str, cmd: str |
     if as_json:
         sys.stdout.write(json.dumps({"exit_code": code, "stdout": out.decode(errors="replace"),
                                     "stderr": err.decode(errors="replace"),
-                                    "timed_out": timed_out}, indent=1) + "\n")
-    elif timed_out:
-        click.echo(f"command timed out after {timeout:g}s (command timeout)", err=True)
+                                    "timed_out": timed_out, "oom_killed": oom},
+                                   indent=1) + "\n")
+    else:
+        if timed_out:
+            click.echo(f"command timed out after {timeout:g}s (command timeout)", err=True)
+        if oom:
+            click.echo(oom_note(sandbox_id), err=True)
     sys.exit(code)

@@ -49,6 +49,7 @@ import msgspec
 from dsec.client.files import AsyncFiles
 from dsec.client.images import AsyncImages
 from dsec.client.network import AsyncNetwork
+from dsec.client.parts import closing
 from dsec.client.processes import AsyncProcesses, AsyncProcessHandle, AsyncPty, OutputCallback
 from dsec.errors import (
     ConnectFailed,
@@ -1057,9 +1058,11 @@ class AsyncSandbox:
         """Yield output chunks as they come, then the final :class:`ExecResult`."""
         req = _exec_req(cmd, timeout=timeout, env=env, cwd=cwd, stdin=stdin)
         t = await self._c._transport()
-        async for item in t.stream(ops.EXEC_STREAM, WireExecCall(id=self.id, req=req),
-                                   timeout=_deadline(self._c.timeout, timeout)):
-            yield item
+        stream = t.stream(ops.EXEC_STREAM, WireExecCall(id=self.id, req=req),
+                          timeout=_deadline(self._c.timeout, timeout))
+        async with closing(stream) as items:
+            async for item in items:
+                yield item
 
     async def pause(self) -> PauseStats:
         stats = await self._c.call(ops.PAUSE, SandboxRef(id=self.id))
@@ -1136,18 +1139,20 @@ async def _streamed_exec(sb: AsyncSandbox, req: ExecRequest,
     the result carries the whole output, as a plain exec's does (capped alike)."""
     t = await sb._c._transport()
     out, err = bytearray(), bytearray()
-    async for item in t.stream(ops.EXEC_STREAM, WireExecCall(id=sb.id, req=req),
-                               timeout=_deadline(sb._c.timeout, req.timeout_s)):
-        if isinstance(item, ExecResult):
-            return msgspec.structs.replace(item, stdout=bytes(out), stderr=bytes(err))
-        if item.stream == "stdout":
-            out += item.data
-            if on_stdout is not None:
-                on_stdout(item.data)
-        else:
-            err += item.data
-            if on_stderr is not None:
-                on_stderr(item.data)
+    stream = t.stream(ops.EXEC_STREAM, WireExecCall(id=sb.id, req=req),
+                      timeout=_deadline(sb._c.timeout, req.timeout_s))
+    async with closing(stream) as items:
+        async for item in items:
+            if isinstance(item, ExecResult):
+                return msgspec.structs.replace(item, stdout=bytes(out), stderr=bytes(err))
+            if item.stream == "stdout":
+                out += item.data
+                if on_stdout is not None:
+                    on_stdout(item.data)
+            else:
+                err += item.data
+                if on_stderr is not None:
+                    on_stderr(item.data)
     raise RemoteProtocolError(f"exec_stream of sandbox {sb.id} ended without a result")
 
 

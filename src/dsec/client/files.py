@@ -26,7 +26,7 @@ import tempfile
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator
 from typing import IO, Any, Literal, overload
 
-from dsec.client.parts import Runs, SandboxPart
+from dsec.client.parts import Runs, SandboxPart, closing
 from dsec.errors import NotFound, PayloadTooLarge
 from dsec.wire import ops
 from dsec.wire.calls import FileRef, Mkdir, ReadFile, Remove, WriteFile
@@ -126,13 +126,15 @@ class AsyncFiles:
                       sink: list[FileInfo] | None = None, *,
                       user: str | None = None) -> AsyncIterator[bytes]:
         t = await self._transport()
-        async for item in t.read_stream(ops.FILE_READ_STREAM, ReadStream(
-                id=self._sb.id, path=path, offset=offset, length=length, user=user)):
-            if isinstance(item, FileInfo):
-                if sink is not None:
-                    sink.append(item)
-            else:
-                yield item
+        async with closing(t.read_stream(ops.FILE_READ_STREAM, ReadStream(
+                id=self._sb.id, path=path, offset=offset, length=length,
+                user=user))) as items:
+            async for item in items:
+                if isinstance(item, FileInfo):
+                    if sink is not None:
+                        sink.append(item)
+                else:
+                    yield item
 
     async def read_text(self, path: str, *, user: str | None = None) -> str:
         return (await self.read(path, user=user)).decode()
@@ -251,12 +253,13 @@ class AsyncFiles:
         subdirectories too), until it is removed, ``timeout`` seconds pass, or you stop
         iterating. Works on a paused sandbox (changes then come from outside it)."""
         t = await self._transport()
-        async for item in t.stream(ops.FILE_WATCH, Watch(
+        async with closing(t.stream(ops.FILE_WATCH, Watch(
                 id=self._sb.id, path=path, recursive=recursive, timeout_s=timeout),
-                timeout=None):
-            if isinstance(item, WatchEnd):
-                return
-            yield item
+                timeout=None)) as items:
+            async for item in items:
+                if isinstance(item, WatchEnd):
+                    return
+                yield item
 
 
 class Files:

@@ -8,7 +8,8 @@ contract in pyproject.toml). The parts take these instead; the SDK's classes fit
 
 from __future__ import annotations
 
-from collections.abc import Coroutine
+import contextlib
+from collections.abc import AsyncIterator, Coroutine
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from dsec.wire.ops import Op
@@ -16,7 +17,7 @@ from dsec.wire.ops import Op
 if TYPE_CHECKING:
     from dsec.client.transport import Transport
 
-__all__ = ["Calls", "Runs", "SandboxPart"]
+__all__ = ["Calls", "Runs", "SandboxPart", "closing"]
 
 T = TypeVar("T")
 Req = TypeVar("Req")
@@ -45,3 +46,20 @@ class Runs(Protocol):
     """The sync client (``dsec.client.sync.Client``): runs a coroutine on its loop."""
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T: ...
+
+
+_A = TypeVar("_A", bound="AsyncIterator[Any]")
+
+
+@contextlib.asynccontextmanager
+async def closing(items: _A) -> AsyncIterator[_A]:
+    """``async with closing(t.stream(...)) as items``: a transport's stream closed when the
+    block ends, also when its consumer stops early (a ``return`` at the final item, a
+    ``break``, an exception), not left to a finalizer that a sync client's loop never
+    runs (the "Task was destroyed but it is pending!" of a CLI exiting)."""
+    try:
+        yield items
+    finally:
+        aclose = getattr(items, "aclose", None)
+        if aclose is not None:
+            await aclose()

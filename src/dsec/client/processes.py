@@ -14,13 +14,14 @@ gateway and REST serve them alike and check the key's role on the sandbox's proj
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal as _signal
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator, Mapping, Sequence
 from typing import Protocol
 
 import msgspec
 
-from dsec.client.parts import Runs, SandboxPart
+from dsec.client.parts import Runs, SandboxPart, closing
 from dsec.errors import InvalidArgument, RequestTimeout
 from dsec.wire import ops
 from dsec.wire.calls import ExecCall, SandboxRef
@@ -118,35 +119,39 @@ class AsyncProcessHandle:
     async def stream(self) -> AsyncGenerator[ExecChunk | ExecResult, None]:
         """Every output chunk, then the :class:`ExecResult` (one ``process_connect``)."""
         t = await self._sb._c._transport()
-        async for item in t.stream(ops.PROCESS_CONNECT, self._ref(), timeout=None):
-            if isinstance(item, ExecResult):
-                self._result = item
-            yield item
+        stream = t.stream(ops.PROCESS_CONNECT, self._ref(), timeout=None)
+        async with closing(stream) as items:
+            async for item in items:
+                if isinstance(item, ExecResult):
+                    self._result = item
+                yield item
 
     async def __aiter__(self) -> AsyncIterator[ExecChunk]:
-        async for item in self.stream():
-            if isinstance(item, ExecChunk):
-                yield item
+        async with contextlib.aclosing(self.stream()) as items:
+            async for item in items:
+                if isinstance(item, ExecChunk):
+                    yield item
 
     async def _consume(self) -> ExecResult:
         out, err = bytearray(), bytearray()
         t_out = t_err = False
         result: ExecResult | None = None
-        async for item in self.stream():
-            if isinstance(item, ExecResult):
-                result = item
-                break
-            cb = self.on_stdout if item.stream == "stdout" else self.on_stderr
-            if cb is not None:
-                cb(item.data)
-            buf = out if item.stream == "stdout" else err
-            room = KEEP_OUTPUT_BYTES - len(buf)
-            if len(item.data) > room:
-                if item.stream == "stdout":
-                    t_out = True
-                else:
-                    t_err = True
-            buf += item.data[:max(room, 0)]
+        async with contextlib.aclosing(self.stream()) as items:
+            async for item in items:
+                if isinstance(item, ExecResult):
+                    result = item
+                    break
+                cb = self.on_stdout if item.stream == "stdout" else self.on_stderr
+                if cb is not None:
+                    cb(item.data)
+                buf = out if item.stream == "stdout" else err
+                room = KEEP_OUTPUT_BYTES - len(buf)
+                if len(item.data) > room:
+                    if item.stream == "stdout":
+                        t_out = True
+                    else:
+                        t_err = True
+                buf += item.data[:max(room, 0)]
         assert result is not None
         self._result = msgspec.structs.replace(
             result, stdout=bytes(out), stderr=bytes(err),
