@@ -12,10 +12,19 @@ itself and hands the listening descriptor over, so it can connect before this pr
 has even started. Only peers of its own uid are served (SO_PEERCRED), the socket file is
 0600 in the edge's state directory.
 
+It is also the parent of the edge's exec helper (the nsexec zygote, ``spawn``) and a
+child subreaper: the zygote is the parent of every command it starts, and when it exits
+with its edge those commands are re-parented here, not to the host's init. So it reaps
+them and keeps the exit status of each process it holds descriptors for, and a
+restarted edge learns how a background process ended, during the downtime or later
+(``status``).
+
 Protocol (SOCK_SEQPACKET, one JSON object per message, descriptors as SCM_RIGHTS):
-``put`` key+names (+fds, replacing what the key held), ``drop`` key, ``take`` key (answer:
-its names + copies of its fds; it keeps holding them until dropped), ``keys`` (answer: the
-keys it holds).
+``put`` key+names (+fds, replacing what the key held; the key is ``sid/host_pid/start``),
+``drop`` key, ``take`` key (answer: its names + copies of its fds; it keeps holding them
+until dropped), ``keys`` (answer: the keys it holds), ``spawn`` argv+exe (+fds, named
+``{0}``.. in argv; answer: the pid), ``status`` key (answer: the raw wait status, once the
+process is reaped if it is our child; null if it is not ours to know).
 
 It exits when it holds nothing and no edge is connected; when it holds descriptors and no
 edge has been connected for ``ORPHAN_S`` seconds it closes them (their processes then see
@@ -26,6 +35,8 @@ forever.
 from __future__ import annotations
 
 import array
+import contextlib
+import ctypes
 import json
 import os
 import select
@@ -70,6 +81,52 @@ def _send(conn: socket.socket, msg: dict[str, object], fds: list[int] | None = N
         pass   # the edge went away mid-answer: it asks again when it comes back
 
 
+_PR_SET_CHILD_SUBREAPER = 36
+MAX_EXITS = 4096
+
+
+def _start_time(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read()
+        return int(raw[raw.rfind(b")") + 2:].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read()
+        return int(raw[raw.rfind(b")") + 2:].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _pid_key(key: str) -> str:
+    """``sid/host_pid/start`` -> ``host_pid/start``."""
+    return key.split("/", 1)[-1]
+
+
+def _spawn(msg: dict[str, object], fds: list[int]) -> int:
+    raw = msg.get("argv")
+    argv = [str(a) for a in raw] if isinstance(raw, list) else []
+    for i, fd in enumerate(fds):
+        argv = [a.replace(f"{{{i}}}", str(fd)) for a in argv]
+    err = fds[-1] if msg.get("stderr") and fds else -1
+    for fd in fds:
+        os.set_inheritable(fd, True)
+    actions: list[tuple[object, ...]] = [(os.POSIX_SPAWN_OPEN, 0, "/dev/null", os.O_RDONLY, 0)]
+    if err >= 0:
+        actions += [(os.POSIX_SPAWN_DUP2, err, 1), (os.POSIX_SPAWN_DUP2, err, 2)]
+    try:
+        return os.posix_spawn(str(msg.get("exe")), argv, dict(os.environ),
+                              file_actions=actions)
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
 def serve(listener: socket.socket, path: str, orphan_s: float) -> None:
     try:
         ino = os.stat(path).st_ino
@@ -79,15 +136,44 @@ def serve(listener: socket.socket, path: str, orphan_s: float) -> None:
     conns: list[socket.socket] = []
     alone_since = time.monotonic()
     uid = os.getuid()
+    exits: dict[str, int] = {}                 # host_pid/start -> raw wait status
+    waiting: dict[str, list[socket.socket]] = {}
+    wake_r, wake_w = socket.socketpair()       # SIGCHLD wakes select
+    wake_r.setblocking(False)
+    wake_w.setblocking(False)
+    signal.set_wakeup_fd(wake_w.fileno())
+    signal.signal(signal.SIGCHLD, lambda *_: None)
 
     def close_key(key: str) -> None:
         old = held.pop(key, None)
         if old is not None:
             for fd in old[1]:
                 os.close(fd)
+        exits.pop(_pid_key(key), None)
+
+    def reap() -> None:
+        watched = {_pid_key(k) for k in held} | set(waiting)
+        while True:
+            try:
+                si = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+            except ChildProcessError:
+                return
+            if si is None or not si.si_pid:
+                return
+            start = _start_time(si.si_pid)     # a zombie still has its stat
+            try:
+                _, status = os.waitpid(si.si_pid, 0)
+            except ChildProcessError:
+                continue
+            pk = f"{si.si_pid}/{start}"
+            if pk in watched and len(exits) < MAX_EXITS:
+                exits[pk] = status
+            for c in waiting.pop(pk, []):
+                _send(c, {"status": status})
 
     first = True      # the edge that started us connects first (queued on the listener)
     while True:
+        reap()
         if conns:
             alone_since = time.monotonic()
             first = False
@@ -96,9 +182,13 @@ def serve(listener: socket.socket, path: str, orphan_s: float) -> None:
                 break
         elif not held or time.monotonic() - alone_since > orphan_s:
             break
-        ready, _, _ = select.select([listener, *conns], [], [],
+        ready, _, _ = select.select([listener, wake_r, *conns], [], [],
                                     None if conns else max(0.1, min(orphan_s / 10, 1.0)))
         for s in ready:
+            if s is wake_r:
+                with contextlib.suppress(OSError):
+                    wake_r.recv(4096)
+                continue
             if s is listener:
                 try:
                     c, _ = listener.accept()
@@ -143,6 +233,24 @@ def serve(listener: socket.socket, path: str, orphan_s: float) -> None:
                 for fd in fds:
                     os.close(fd)
                 _send(s, {"keys": sorted(held)})
+            elif op == "spawn":
+                try:
+                    _send(s, {"pid": _spawn(msg, fds)})
+                except OSError as exc:
+                    _send(s, {"error": str(exc)})
+            elif op == "status":
+                for fd in fds:
+                    os.close(fd)
+                pk = _pid_key(key)
+                if pk in exits:
+                    _send(s, {"status": exits[pk]})
+                    continue
+                pid, _, start = pk.partition("/")
+                if (pid.isdigit() and _parent(int(pid)) == os.getpid()
+                        and str(_start_time(int(pid))) == start):
+                    waiting.setdefault(pk, []).append(s)   # answered once reaped
+                else:
+                    _send(s, {"status": None})      # not ours: nobody here reaps it
             else:
                 for fd in fds:
                     os.close(fd)
@@ -159,6 +267,12 @@ def main(argv: list[str]) -> int:
     listen_fd, path, orphan_s = int(argv[1]), argv[2], float(argv[3])
     signal.signal(signal.SIGINT, signal.SIG_IGN)    # a terminal's ^C is the edge's, not ours
     signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+    # orphans of the exec helper we start come to us, not to the host's init
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+        print("fdkeeper: PR_SET_CHILD_SUBREAPER:", os.strerror(ctypes.get_errno()),
+              file=sys.stderr)
+    os.set_inheritable(listen_fd, False)
     listener = socket.socket(fileno=listen_fd)
     serve(listener, path, orphan_s)
     return 0

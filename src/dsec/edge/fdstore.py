@@ -19,9 +19,12 @@ The restarted edge reads the journal, takes the descriptors back (:meth:`FdStore
 and the process table adopts each process whose host pid still has its recorded start
 time (:meth:`dsec.edge.processes.ProcessTable.restore`). What is lost: the ring (the
 output the dead edge had read but a client had not), and the exit status of a process
-that ends after its edge died: nothing of the new edge is its parent (the dead edge's
-exec helper was; orphans go to the host's reaper), so such an end is reported as
-"exit status lost in the edge restart" (``exit_code`` -1).
+that ends after its edge died is *not* lost when the keeper started the edge's exec
+helper (:meth:`FdStore.spawn`, the default with a state dir): the keeper is a child
+subreaper, the helper's orphans come to it, and it keeps the status of each process it
+holds descriptors for (:meth:`FdStore.status`). Only when that chain is broken (the keeper
+was killed, or the process was started under a helper the keeper did not start) is such
+an end reported as "exit status lost in the edge restart" (``exit_code`` -1).
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ import contextlib
 import json
 import logging
 import os
+import select
+import signal
 import socket
 import struct
 import subprocess
@@ -42,7 +47,8 @@ import msgspec
 from dsec.errors import BackendError
 from dsec.wire.process import ProcessInfo
 
-__all__ = ["KEEPER_SOCKET", "PROCESS_JOURNAL", "DurableProcess", "FdStore", "ProcessJournal"]
+__all__ = ["KEEPER_SOCKET", "PROCESS_JOURNAL", "DurableProcess", "FdStore", "KeptChild",
+           "ProcessJournal"]
 
 log = logging.getLogger(__name__)
 
@@ -176,6 +182,45 @@ class ProcessJournal:
             self._fd = -1
 
 
+class KeptChild:
+    """A process the keeper started for the edge (the exec helper), as the edge drives
+    it: the parts of :class:`subprocess.Popen` it uses. The keeper reaps it; its pidfd
+    says when it is gone."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        try:
+            self._pidfd = os.pidfd_open(pid)
+        except OSError:
+            self._pidfd = -1
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None and (self._pidfd < 0 or select.select(
+                [self._pidfd], [], [], 0)[0]):
+            self._gone()
+        return self.returncode
+
+    def _gone(self) -> None:
+        self.returncode = -1          # the keeper reaped it; its status is the keeper's
+        if self._pidfd >= 0:
+            os.close(self._pidfd)
+            self._pidfd = -1
+
+    def kill(self) -> None:
+        if self._pidfd >= 0:
+            with contextlib.suppress(OSError):
+                signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None and self._pidfd >= 0 and not select.select(
+                [self._pidfd], [], [], timeout)[0]:
+            raise subprocess.TimeoutExpired("dsec-nsexec", timeout or 0)
+        self._gone()
+        assert self.returncode is not None
+        return self.returncode
+
+
 class FdStore:
     """The edge's side of the keeper (``dsec.edge.fdkeeper``): started on first use, or
     found again on its socket after a restart. Calls are synchronous sends on a local
@@ -286,32 +331,39 @@ class FdStore:
         except (OSError, BackendError):
             self._reset()
 
-    def _ask(self, msg: dict[str, object]) -> tuple[dict[str, object], list[int]]:
-        s = self.sock or self._connect(spawn=False)
+    def _ask(self, msg: dict[str, object], fds: list[int] | None = None, *,
+             spawn: bool = False, timeout_s: float = 5.0,
+             ) -> tuple[dict[str, object], list[int]]:
+        """One question on a connection of its own (answers never mix with the main
+        connection's traffic; safe from a thread)."""
+        s = self._connect(spawn=False)
+        if s is None and spawn:
+            self._sock()          # starts the keeper (and keeps the main connection)
+            s = self._connect(spawn=False)
         if s is None:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.path)     # a dead keeper's socket (it was killed)
+            if self.sock is None:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.path)     # a dead keeper's socket (it was killed)
             return {}, []
-        self.sock = s
-        s.settimeout(5.0)
+        anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())] \
+            if fds else []
         try:
-            s.sendmsg([json.dumps(msg).encode()])
-            data, anc, _, _ = s.recvmsg(1 << 16, socket.CMSG_SPACE(8 * 4),
-                                        socket.MSG_CMSG_CLOEXEC)
+            s.settimeout(timeout_s)
+            s.sendmsg([json.dumps(msg).encode()], anc)
+            data, ranc, _, _ = s.recvmsg(1 << 16, socket.CMSG_SPACE(8 * 4),
+                                         socket.MSG_CMSG_CLOEXEC)
         except OSError:
-            self._reset()
             return {}, []
         finally:
-            if self.sock is not None:
-                self.sock.settimeout(None)
-        fds = array.array("i")
-        for level, kind, blob in anc:
+            s.close()
+        got = array.array("i")
+        for level, kind, blob in ranc:
             if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                fds.frombytes(blob[: len(blob) - len(blob) % 4])
+                got.frombytes(blob[: len(blob) - len(blob) % 4])
         try:
-            return dict(json.loads(data or b"{}")), list(fds)
+            return dict(json.loads(data or b"{}")), list(got)
         except ValueError:
-            for fd in fds:
+            for fd in got:
                 os.close(fd)
             return {}, []
 
@@ -331,6 +383,26 @@ class FdStore:
         reply, _ = self._ask({"op": "keys"})
         keys = reply.get("keys")
         return [str(k) for k in keys] if isinstance(keys, list) else None
+
+    def spawn(self, argv: list[str], executable: str, fds: list[int]) -> KeptChild:
+        """Start ``executable`` as a child of the keeper (``{0}``.. in ``argv``: the
+        numbers ``fds`` get there; stdout/stderr: ours). For the edge's exec helper, so
+        the processes it starts are the keeper's to reap once it is gone."""
+        reply, _ = self._ask({"op": "spawn", "argv": argv, "exe": executable,
+                              "stderr": True}, [*fds, 2], spawn=True)
+        pid = reply.get("pid")
+        if not isinstance(pid, int):
+            raise BackendError(f"the descriptor keeper at {self.path} could not start "
+                               f"{executable}: {reply.get('error', 'no answer')}")
+        return KeptChild(pid)
+
+    def status(self, key: str, *, timeout_s: float = 5.0) -> int | None:
+        """The raw wait status of the process ``key`` names, once the keeper reaped it
+        (it waits for that if the process is its child); None if it is not the keeper's
+        to know (or no keeper answers). Blocks: call it from a thread."""
+        reply, _ = self._ask({"op": "status", "key": key}, timeout_s=timeout_s)
+        st = reply.get("status")
+        return st if isinstance(st, int) else None
 
     def close(self) -> None:
         """Disconnect (the keeper keeps what it holds for the next edge)."""

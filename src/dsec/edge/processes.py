@@ -153,6 +153,13 @@ class ExitStatus:
     timed_out: bool = False
 
 
+def exit_status(raw: int) -> ExitStatus:
+    """A raw wait status as the table reports it (128+N for signal N)."""
+    sig = os.WTERMSIG(raw) if os.WIFSIGNALED(raw) else None
+    code = os.waitstatus_to_exitcode(raw)
+    return ExitStatus(128 - code if code < 0 else code, signal=sig)
+
+
 class ProcessIO(Protocol):
     """A running process as its backend drives it."""
 
@@ -657,6 +664,12 @@ class ProcessTable(Generic[R]):
         return msgspec.structs.replace(info)
 
     # ------------------------------------------------------------------ durability
+    @property
+    def helper_spawner(self) -> Callable[[list[str], str, list[int]], Any] | None:
+        """What starts a backend's exec helper as the keeper's child (None: no state
+        dir, processes are not durable)."""
+        return self._store.spawn if self._store is not None else None
+
     def _persist(self, sid: str, proc: _Process, io: ProcessIO, req: ExecRequest) -> None:
         """Journal the entry and hand its descriptors to the keeper (dsec.edge.fdstore).
         A backend without its own processes (StreamedIO) is not durable."""
@@ -776,16 +789,28 @@ class ProcessTable(Generic[R]):
                     os.close(fd)
             else:
                 left = None if dp.deadline is None else dp.deadline - node.clock.time()
+                store = self._store
+                assert store is not None
                 io = await adopt(SandboxId(rec.id), pid=dp.pid, host_pid=dp.host_pid,
                                  host_start=dp.host_start, exec_cgroup=dp.exec_cgroup,
                                  fds=fds, sink=sink, pty=dp.pty, deadline_in_s=left,
                                  input_pending=lim.input_pending,
-                                 input_wait_s=lim.input_wait_s)
+                                 input_wait_s=lim.input_wait_s,
+                                 lost_status=lambda: store.status(dp.key))
         if io is None:
-            proc.take("stderr", f"dsec: process {dp.pid}: {why}\n".encode(),
-                      lim.follower_backlog)
-            proc.end(ExecResult(exit_code=-1, duration_s=time.monotonic() - proc.t0,
-                                pid=dp.pid), ExitStatus(-1), node.clock.time())
+            raw = None
+            if fds is not None and self._store is not None:
+                # it ended while no edge ran: the keeper reaped it (if it was its)
+                raw = await asyncio.to_thread(self._store.status, dp.key, timeout_s=1.0)
+            if raw is None:
+                proc.take("stderr", f"dsec: process {dp.pid}: {why}\n".encode(),
+                          lim.follower_backlog)
+                status = ExitStatus(-1)
+            else:
+                status = exit_status(raw)
+            proc.end(ExecResult(exit_code=status.exit_code,
+                                duration_s=time.monotonic() - proc.t0, pid=dp.pid),
+                     status, node.clock.time())
             assert self._journal is not None and self._store is not None
             self._journal.end(dp.sid, dp.pid)
             self._store.drop(dp.key)

@@ -2,7 +2,8 @@
 process is killed mid-output of a counting loop and started again on the same state dir;
 the loop was never killed, ``process_list`` shows it, ``process_connect`` continues its
 sequence with no gap beyond what the dead edge had read, stdin and signals work, and its
-end is reported. With the descriptor keeper killed too, the restarted edge ends the
+end is reported with its real exit status (the keeper reaped it), as is the status of a
+process that ended while no edge ran. With the descriptor keeper killed too, the restarted edge ends the
 processes with a clear reason and nothing is left: no process, no exec cgroup, no keeper.
 """
 
@@ -158,18 +159,41 @@ async def test_background_process_survives_edge_kill_9(edge: EdgeProcess) -> Non
         sid = (await c.create(SPEC)).id
         loop = await _start(c, sid, COUNT)
         cat = await _start(c, sid, "cat", stdin_open=True)
-        out, _ = await _read(c, sid, loop.pid, lines=10)
-        before = _numbers(out)
+        # ends during the downtime, when the test makes /tmp/go
+        brief = await _start(c, sid, "while [ ! -e /tmp/go ]; do sleep 0.05; done; exit 7")
+        host, brief_host = _host_pid(sid, loop.pid), _host_pid(sid, brief.pid)
+        seen = bytearray()       # what a client following it got, up to the kill
+
+        async def follow() -> None:
+            async for item in c.stream(ops.PROCESS_CONNECT, ProcessRef(id=sid, pid=loop.pid),
+                                       timeout=None):
+                if isinstance(item, ExecChunk):
+                    seen.extend(item.data)
+
+        reader = asyncio.ensure_future(follow())
+        for _ in range(200):
+            if seen.count(b"\n") >= 10:
+                break
+            await asyncio.sleep(0.02)
+        edge.kill9()             # mid-output, with a reader following
+        with contextlib.suppress(Exception):
+            await reader
+        before = _numbers(bytes(seen))
         assert before[:3] == [0, 1, 2]
-    host = _host_pid(sid, loop.pid)
-    edge.kill9()
     await asyncio.sleep(0.6)          # ~12 lines written while no edge runs
     assert _alive(host), "the process died with its edge"
+    with open(f"/proc/{brief_host}/root/tmp/go", "w"):
+        pass
+    for _ in range(100):
+        if not _alive(brief_host):
+            break
+        await asyncio.sleep(0.05)
     await edge.start()
     async with await edge.client() as c:
         table = await _list(c, sid)
         assert table[loop.pid].running and table[cat.pid].running, table
         assert table[cat.pid].stdin_open
+        assert not table[brief.pid].running and table[brief.pid].exit_code == 7
         out, res = await _read(c, sid, loop.pid, lines=30)
         assert res is None
         after = _numbers(out)
@@ -184,17 +208,15 @@ async def test_background_process_survives_edge_kill_9(edge: EdgeProcess) -> Non
         assert out == b"hello\n"
         await c.call(ops.PROCESS_CLOSE_STDIN, ProcessRef(id=sid, pid=cat.pid))
         _, res = await _read(c, sid, cat.pid, until=b"\xff")
-        assert res is not None and res.exit_code == -1    # not our child: status lost
-        # a signal reaches it; its end says the status was lost in the restart
+        assert res is not None and res.exit_code == 0
+        # a signal reaches its process group; its end is the signal's
         await c.call(ops.PROCESS_SIGNAL, ProcessSignal(id=sid, pid=loop.pid,
                                                        signal=signal.SIGTERM))
-        out, res = await _read(c, sid, loop.pid, until=b"edge restart\n")
-        assert b"exit status was lost in the edge restart" in out
         _, res = await _read(c, sid, loop.pid, until=b"\xff")
-        assert res is not None and res.exit_code == -1
+        assert res is not None and res.exit_code == 128 + signal.SIGTERM
         assert not _alive(host)
         table = await _list(c, sid)
-        assert not table[loop.pid].running and table[loop.pid].exit_code == -1
+        assert not table[loop.pid].running and table[loop.pid].signal == signal.SIGTERM
         assert _journaled(edge) == []       # ended: nothing to take back any more
 
 

@@ -1649,6 +1649,7 @@ class ContainerBackend:
                             sink: Callable[[Literal["stdout", "stderr"], bytes], None],
                             pty: tuple[int, int] | None, deadline_in_s: float | None,
                             input_pending: int = 1 << 20, input_wait_s: float = 30.0,
+                            lost_status: Callable[[], int | None] | None = None,
                             ) -> ContainerProcess | None:
         """A process of the table a previous edge started (dsec.edge.fdstore), taken back
         with its descriptors; None if it is gone (``fds`` are closed then)."""
@@ -1662,7 +1663,8 @@ class ContainerBackend:
             raise
         return adopt(self, box, ec, sink, pid=pid, host_pid=host_pid,
                      host_start=host_start, fds=fds, pty=pty, deadline_in_s=deadline_in_s,
-                     input_pending=input_pending, input_wait_s=input_wait_s)
+                     input_pending=input_pending, input_wait_s=input_wait_s,
+                     lost_status=lost_status)
 
     async def kill_process(self, sid: SandboxId, exec_cgroup: str) -> None:
         """End a process of the table a previous edge started whose descriptors were

@@ -125,6 +125,8 @@ class ContainerProcess:
         self.t0 = time.monotonic()
         self.gone = False
         self.adopted = False            # taken back after an edge restart (not the zygote's)
+        #: an adopted process's exit status from whoever reaped it (blocking; None: lost)
+        self.lost_status: Callable[[], int | None] | None = None
         #: the table's hook: the descriptors to keep across a restart changed
         self.fds_changed: Callable[[], None] | None = None
 
@@ -390,6 +392,11 @@ class ContainerProcess:
         finally:
             if self.timer is not None:
                 self.timer.cancel()
+        if reply is LOST and self.lost_status is not None:
+            # not our child: the keeper reaped it (dsec.edge.fdstore), if it was its
+            st = await asyncio.to_thread(self.lost_status)
+            if st is not None:
+                reply = Exited(0, st, self.host_pid)
         self._drain()
         self._release()
         if self.gone:
@@ -548,6 +555,7 @@ def adopt(backend: ProcessBackend, box: Box, ec: ExecCgroup, sink: OutputSink, *
           pid: int, host_pid: int, host_start: int, fds: dict[str, int],
           pty: tuple[int, int] | None, deadline_in_s: float | None,
           input_pending: int = 1 << 20, input_wait_s: float = 30.0,
+          lost_status: Callable[[], int | None] | None = None,
           ) -> ContainerProcess | None:
     """Take back a process a previous edge started (its descriptors ``fds`` from the
     keeper; they become this object's). None if ``host_pid`` is no longer that process
@@ -561,6 +569,7 @@ def adopt(backend: ProcessBackend, box: Box, ec: ExecCgroup, sink: OutputSink, *
     p = ContainerProcess(backend, box, 0, ec, sink, pty=pty, input_pending=input_pending,
                          input_wait_s=input_wait_s)
     p.adopted = True
+    p.lost_status = lost_status
     try:
         pidfd = os.pidfd_open(host_pid)
     except OSError:
