@@ -23,8 +23,14 @@ from dsec.edge.fdstore import KEEPER_SOCKET, PROCESS_JOURNAL, DurableProcess
 from dsec.edge.service import EdgeClient
 from dsec.wire import ops
 from dsec.wire.calls import ExecCall, SandboxRef
-from dsec.wire.process import ProcessInfo, ProcessInput, ProcessRef, ProcessSignal
-from dsec.wire.spec import ExecChunk, ExecRequest, ExecResult, SandboxSpec
+from dsec.wire.process import (
+    ProcessInfo,
+    ProcessInput,
+    ProcessRef,
+    ProcessSignal,
+    PtyResize,
+)
+from dsec.wire.spec import ExecChunk, ExecRequest, ExecResult, PtySize, SandboxSpec
 
 pytestmark = pytest.mark.root
 
@@ -209,6 +215,19 @@ async def test_background_process_survives_edge_kill_9(edge: EdgeProcess) -> Non
         await c.call(ops.PROCESS_CLOSE_STDIN, ProcessRef(id=sid, pid=cat.pid))
         _, res = await _read(c, sid, cat.pid, until=b"\xff")
         assert res is not None and res.exit_code == 0
+        shell = await _start(c, sid, "sh", pty=PtySize(cols=80, rows=24))
+        await _read(c, sid, shell.pid, until=b"# ")
+    # a clean stop (SIGTERM) keeps them too; the terminal survives it
+    assert edge.stop() == 0
+    await edge.start()
+    async with await edge.client() as c:
+        table = await _list(c, sid)
+        assert table[loop.pid].running and table[shell.pid].running, table
+        await c.call(ops.PTY_RESIZE, PtyResize(id=sid, pid=shell.pid, cols=100, rows=30))
+        await c.call(ops.PROCESS_INPUT, ProcessInput(id=sid, pid=shell.pid,
+                                                     data=b"stty size; exit 3\n"))
+        out, res = await _read(c, sid, shell.pid, until=b"\xff")
+        assert b"30 100" in out and res is not None and res.exit_code == 3, (out, res)
         # a signal reaches its process group; its end is the signal's
         await c.call(ops.PROCESS_SIGNAL, ProcessSignal(id=sid, pid=loop.pid,
                                                        signal=signal.SIGTERM))
