@@ -83,6 +83,7 @@ def _send(conn: socket.socket, msg: dict[str, object], fds: list[int] | None = N
 
 _PR_SET_CHILD_SUBREAPER = 36
 MAX_EXITS = 4096
+GONE_S = 60.0     # no edge, every held process ended: exit after this long
 
 
 def _start_time(pid: int) -> int | None:
@@ -171,17 +172,35 @@ def serve(listener: socket.socket, path: str, orphan_s: float) -> None:
             for c in waiting.pop(pk, []):
                 _send(c, {"status": status})
 
+    def all_gone() -> bool:
+        for key in held:
+            pid, _, start = _pid_key(key).partition("/")
+            if not pid.isdigit() or str(_start_time(int(pid))) == start:
+                return False
+        return True
+
     first = True      # the edge that started us connects first (queued on the listener)
+    gone_since: float | None = None
     while True:
         reap()
+        now = time.monotonic()
         if conns:
-            alone_since = time.monotonic()
+            alone_since = now
             first = False
+            gone_since = None
         elif first:
-            if time.monotonic() - alone_since > 10.0:
+            if now - alone_since > 10.0:
                 break
-        elif not held or time.monotonic() - alone_since > orphan_s:
+        elif not held or now - alone_since > orphan_s:
             break
+        elif all_gone():
+            # every process held for has ended (their statuses are kept for the next
+            # edge) and no edge came back: do not wait the whole orphan time for it
+            gone_since = gone_since if gone_since is not None else now
+            if now - gone_since > min(orphan_s, GONE_S):
+                break
+        else:
+            gone_since = None
         ready, _, _ = select.select([listener, wake_r, *conns], [], [],
                                     None if conns else max(0.1, min(orphan_s / 10, 1.0)))
         for s in ready:
