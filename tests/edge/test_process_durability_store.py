@@ -99,6 +99,19 @@ def test_keeper_reaps_the_orphans_of_what_it_started(store: FdStore) -> None:
     store.drop(key)
 
 
+def test_what_the_keeper_starts_ignores_and_blocks_no_signal(store: FdStore) -> None:
+    """Ignored dispositions survive execve: anything ignored here would be ignored by
+    every sandbox command the exec helper starts (a Ctrl-C that does nothing)."""
+    r, w = os.pipe()
+    helper = store.spawn(["sh", "-c", "grep -E '^Sig(Ign|Blk)' /proc/self/status >&{0}"],
+                         "/bin/sh", [w])
+    os.close(w)
+    helper.wait(timeout=5)
+    out = os.read(r, 1000).decode()
+    os.close(r)
+    assert out.split() == ["SigBlk:", "0" * 16, "SigIgn:", "0" * 16], out
+
+
 def test_keeper_refuses_a_socket_of_another_uid(tmp_path: object) -> None:
     if os.geteuid() != 0:
         pytest.skip("by design: needs root to bind a socket as another uid")

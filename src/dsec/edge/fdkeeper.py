@@ -43,6 +43,7 @@ import select
 import signal
 import socket
 import struct
+import subprocess
 import sys
 import time
 
@@ -109,20 +110,19 @@ def _pid_key(key: str) -> str:
     return key.split("/", 1)[-1]
 
 
-def _spawn(msg: dict[str, object], fds: list[int]) -> int:
+def _spawn(msg: dict[str, object], fds: list[int]) -> subprocess.Popen[bytes]:
     raw = msg.get("argv")
     argv = [str(a) for a in raw] if isinstance(raw, list) else []
     for i, fd in enumerate(fds):
         argv = [a.replace(f"{{{i}}}", str(fd)) for a in argv]
-    err = fds[-1] if msg.get("stderr") and fds else -1
-    for fd in fds:
-        os.set_inheritable(fd, True)
-    actions: list[tuple[object, ...]] = [(os.POSIX_SPAWN_OPEN, 0, "/dev/null", os.O_RDONLY, 0)]
-    if err >= 0:
-        actions += [(os.POSIX_SPAWN_DUP2, err, 1), (os.POSIX_SPAWN_DUP2, err, 2)]
+    err = fds[-1] if msg.get("stderr") and fds else None
     try:
-        return os.posix_spawn(str(msg.get("exe")), argv, dict(os.environ),
-                              file_actions=actions)
+        # Popen, not posix_spawn: glibc's posix_spawn leaves its internal signals (32,
+        # 33) ignored in the child, and that would reach every sandbox command; Popen
+        # resets SIGPIPE/SIGXFSZ (Python ignores them) and we ignore nothing else
+        return subprocess.Popen(argv, executable=str(msg.get("exe")), pass_fds=fds,
+                                close_fds=True, stdin=subprocess.DEVNULL, stdout=err,
+                                stderr=err)
     finally:
         for fd in fds:
             os.close(fd)
@@ -138,6 +138,7 @@ def serve(listener: socket.socket, path: str, orphan_s: float) -> None:
     alone_since = time.monotonic()
     uid = os.getuid()
     exits: dict[str, int] = {}                 # host_pid/start -> raw wait status
+    spawned: dict[int, subprocess.Popen[bytes]] = {}
     waiting: dict[str, list[socket.socket]] = {}
     wake_r, wake_w = socket.socketpair()       # SIGCHLD wakes select
     wake_r.setblocking(False)
@@ -166,6 +167,9 @@ def serve(listener: socket.socket, path: str, orphan_s: float) -> None:
                 _, status = os.waitpid(si.si_pid, 0)
             except ChildProcessError:
                 continue
+            child = spawned.pop(si.si_pid, None)
+            if child is not None:
+                child.returncode = status     # so Popen never waits for a reused pid
             pk = f"{si.si_pid}/{start}"
             if pk in watched and len(exits) < MAX_EXITS:
                 exits[pk] = status
@@ -254,9 +258,12 @@ def serve(listener: socket.socket, path: str, orphan_s: float) -> None:
                 _send(s, {"keys": sorted(held)})
             elif op == "spawn":
                 try:
-                    _send(s, {"pid": _spawn(msg, fds)})
+                    child = _spawn(msg, fds)
                 except OSError as exc:
                     _send(s, {"error": str(exc)})
+                else:
+                    spawned[child.pid] = child    # reaped by reap(), not by Popen
+                    _send(s, {"pid": child.pid})
             elif op == "status":
                 for fd in fds:
                     os.close(fd)
@@ -284,8 +291,6 @@ def serve(listener: socket.socket, path: str, orphan_s: float) -> None:
 
 def main(argv: list[str]) -> int:
     listen_fd, path, orphan_s = int(argv[1]), argv[2], float(argv[3])
-    signal.signal(signal.SIGINT, signal.SIG_IGN)    # a terminal's ^C is the edge's, not ours
-    signal.signal(signal.SIGPIPE, signal.SIG_IGN)
     # orphans of the exec helper we start come to us, not to the host's init
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
