@@ -246,9 +246,10 @@ class FdStore:
         except (FileNotFoundError, ConnectionRefusedError):
             s.close()
             return self._spawn() if spawn else None
-        except OSError:
+        except OSError as exc:
             s.close()
-            raise
+            raise BackendError(f"cannot reach the descriptor keeper at {self.path}: "
+                               f"{exc}") from exc
         creds = s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
         _, uid, _ = struct.unpack("3i", creds)
         if uid != os.getuid():
@@ -336,10 +337,16 @@ class FdStore:
              ) -> tuple[dict[str, object], list[int]]:
         """One question on a connection of its own (answers never mix with the main
         connection's traffic; safe from a thread)."""
-        s = self._connect(spawn=False)
-        if s is None and spawn:
-            self._sock()          # starts the keeper (and keeps the main connection)
+        try:
             s = self._connect(spawn=False)
+            if s is None and spawn:
+                self._sock()          # starts the keeper (and keeps the main connection)
+                s = self._connect(spawn=False)
+        except BackendError as exc:
+            if spawn:
+                raise
+            log.warning("%s", exc)
+            return {}, []
         if s is None:
             if self.sock is None:
                 with contextlib.suppress(FileNotFoundError):

@@ -53,10 +53,13 @@ stdin EOF, no SIGHUP) nor loses its output written meanwhile (it waits in the pi
 restarted edge takes each one back (:meth:`ProcessTable.restore`): ``process_list``
 shows it, ``process_connect`` follows its output from where the dead edge stopped
 reading (the ring the dead edge held is lost), input, signals and resize work. Its end
-is then reported with ``exit_code`` -1 and "exit status lost in the edge restart" on
-stderr (nothing of the new edge is its parent). A process whose descriptors were lost
-too (the keeper was killed) is killed at the restart, its end saying why. Entries that
-had ended before the restart are not kept.
+is reported with its exit status: the keeper started the exec helper and is a child
+subreaper, so it reaps the helper's orphans and keeps their status (during the downtime
+too); when that chain was broken, with ``exit_code`` -1 and "exit status was lost in the
+edge restart" on stderr. A process whose descriptors were lost too (the keeper was
+killed) is killed at the restart, its end saying why. Entries that had ended before the
+restart are not kept. Cost: ~60 us per process (start + end) on the dev VM (journal
+write ~4 us, the pid's start time ~27 us, two sends to the keeper ~27 us).
 
 Backends: the container backend's native runtime spawns the process itself
 (``ContainerBackend.spawn_process``: pipes or a pty inside the sandbox, signals to the
