@@ -30,6 +30,7 @@ an end reported as "exit status lost in the edge restart" (``exit_code`` -1).
 from __future__ import annotations
 
 import array
+import asyncio
 import contextlib
 import json
 import logging
@@ -237,6 +238,7 @@ class FdStore:
         self.sock: socket.socket | None = None
         self.keeper: subprocess.Popen[bytes] | None = None
         self.on_reconnect: Callable[[], None] | None = None
+        self._watched = -1
 
     # ------------------------------------------------------------------ connection
     def _connect(self, *, spawn: bool) -> socket.socket | None:
@@ -287,8 +289,27 @@ class FdStore:
     def _sock(self) -> socket.socket:
         if self.sock is None:
             self.sock = self._connect(spawn=True)
+            assert self.sock is not None
+            try:
+                # nothing is ever sent back on this connection: readable means the keeper
+                # died; a new one gets everything at once (not at the next start)
+                asyncio.get_running_loop().add_reader(self.sock.fileno(), self._lost)
+                self._watched = self.sock.fileno()
+            except RuntimeError:
+                pass     # no event loop (a tool): the next send notices
         assert self.sock is not None
         return self.sock
+
+    def _lost(self) -> None:
+        log.warning("descriptor keeper at %s went away: starting another", self.path)
+        self._reset()
+        if self.on_reconnect is None:
+            return
+        try:
+            self._sock()
+            self.on_reconnect()
+        except BackendError as exc:
+            log.error("%s; background processes will not survive an edge restart", exc)
 
     def _send(self, msg: dict[str, object], fds: list[int]) -> None:
         data = json.dumps(msg).encode()
@@ -312,6 +333,10 @@ class FdStore:
                     self.on_reconnect()
 
     def _reset(self) -> None:
+        if self._watched >= 0:
+            with contextlib.suppress(RuntimeError, ValueError, OSError):
+                asyncio.get_running_loop().remove_reader(self._watched)
+            self._watched = -1
         if self.sock is not None:
             self.sock.close()
             self.sock = None

@@ -269,3 +269,31 @@ async def test_keeper_killed_too_ends_processes_with_a_reason(edge: EdgeProcess)
     assert _journaled(edge) == []
     with contextlib.suppress(FileNotFoundError):
         assert _keepers(edge) == []
+
+
+async def test_a_keeper_killed_while_the_edge_runs_is_replaced(edge: EdgeProcess) -> None:
+    """The edge notices its keeper die and hands a new one every running process's
+    descriptors at once, so a later edge kill -9 still keeps them."""
+    await edge.start()
+    async with await edge.client() as c:
+        sid = (await c.create(SPEC)).id
+        loop = await _start(c, sid, COUNT)
+        await _read(c, sid, loop.pid, lines=2)
+    (old,) = _keepers(edge)
+    os.kill(old, signal.SIGKILL)
+    for _ in range(200):
+        now = _keepers(edge)
+        if now and old not in now:
+            break
+        await asyncio.sleep(0.05)
+    assert len(now) == 1 and old not in now, now
+    await asyncio.sleep(0.3)          # the new keeper got the descriptors
+    host = _host_pid(sid, loop.pid)
+    edge.kill9()
+    await asyncio.sleep(0.3)
+    assert _alive(host)
+    await edge.start()
+    async with await edge.client() as c:
+        assert (await _list(c, sid))[loop.pid].running
+        out, _ = await _read(c, sid, loop.pid, lines=5)
+        assert len(_numbers(out)) >= 5
