@@ -39,6 +39,7 @@ import contextlib
 import ctypes
 import json
 import os
+import resource
 import select
 import signal
 import socket
@@ -205,8 +206,14 @@ def serve(listener: socket.socket, path: str, orphan_s: float) -> None:
                 break
         else:
             gone_since = None
-        ready, _, _ = select.select([listener, wake_r, *conns], [], [],
-                                    None if conns else max(0.1, min(orphan_s / 10, 1.0)))
+        # poll, not select: held descriptors push a late connection past FD_SETSIZE
+        poller = select.poll()
+        by_fd = {x.fileno(): x for x in (listener, wake_r, *conns)}
+        for fd in by_fd:
+            poller.register(fd, select.POLLIN)
+        wait_s = None if conns else max(0.1, min(orphan_s / 10, 1.0))
+        ready = [by_fd[fd] for fd, _ in
+                 poller.poll(None if wait_s is None else int(wait_s * 1000))]
         for s in ready:
             if s is wake_r:
                 with contextlib.suppress(OSError):
@@ -297,6 +304,10 @@ def main(argv: list[str]) -> int:
         print("fdkeeper: PR_SET_CHILD_SUBREAPER:", os.strerror(ctypes.get_errno()),
               file=sys.stderr)
     os.set_inheritable(listen_fd, False)
+    # it may hold three descriptors per background process of the node
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     listener = socket.socket(fileno=listen_fd)
     serve(listener, path, orphan_s)
     return 0
