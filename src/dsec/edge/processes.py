@@ -58,7 +58,8 @@ subreaper, so it reaps the helper's orphans and keeps their status (during the d
 too); when that chain was broken, with ``exit_code`` -1 and "exit status was lost in the
 edge restart" on stderr. A process whose descriptors were lost too (the keeper was
 killed) is killed at the restart, its end saying why. Entries that had ended before the
-restart are not kept. Cost: ~60 us per process (start + end) on the dev VM (journal
+restart are listed ended with their exit status (their output is gone) until evicted.
+Cost: ~60 us per process (start + end) on the dev VM (journal
 write ~4 us, the pid's start time ~27 us, two sends to the keeper ~27 us).
 
 Backends: the container backend's native runtime spawns the process itself
@@ -372,7 +373,8 @@ class _Process:
         self.done = asyncio.Event()
         self.t0 = time.monotonic()
         self.ended_mono: float | None = None
-        self.durable: DurableProcess | None = None   # journaled, its fds with the keeper
+        self.durable: DurableProcess | None = None   # journaled (running or ended)
+        self.kept = False                            # its descriptors are with the keeper
 
     def take(self, stream: StreamName, data: bytes, backlog_cap: int,
              backlog: _Backlog | None = None) -> None:
@@ -497,6 +499,12 @@ class ProcessTable(Generic[R]):
         p = table.pop(pid, None)
         if p is not None:
             self._release(p.tenant, p.ring_cap)
+            if p.durable is not None and self._journal is not None:
+                with contextlib.suppress(DsecError):
+                    self._journal.end(sid, pid)
+            if p.kept and self._store is not None:
+                self._store.drop(p.durable.key if p.durable else "")
+                p.kept = False
         if not table:
             self._tables.pop(sid, None)
 
@@ -690,6 +698,7 @@ class ProcessTable(Generic[R]):
         journal.put(dp)
         proc.durable = dp
         store.put(dp.key, held())
+        proc.kept = True
         io.fds_changed = lambda: self._redeposit(proc)  # type: ignore[attr-defined]
 
     def _redeposit(self, proc: _Process) -> None:
@@ -716,17 +725,19 @@ class ProcessTable(Generic[R]):
                         self._store.put(p.durable.key, p.io.held_fds())  # type: ignore[attr-defined]
 
     def _forget(self, proc: _Process) -> None:
-        """It ended with this edge watching: nothing to take back after a restart."""
+        """It ended with this edge watching: its end is journaled (a restart lists it
+        ended, with its exit status, until it is evicted); its descriptors go."""
         if self._closing:
             return        # the edge stops, the process does not: the next edge takes it
-        dp, proc.durable = proc.durable, None
+        dp = proc.durable
         if dp is None:
             return
         if self._journal is not None:
             with contextlib.suppress(DsecError):
-                self._journal.end(dp.sid, dp.pid)
-        if self._store is not None:
+                self._journal.put(dp)       # info now says how it ended
+        if proc.kept and self._store is not None:
             self._store.drop(dp.key)
+        proc.kept = False
 
     async def restore(self) -> None:
         """At edge start: take back the processes a previous edge of this state dir left
@@ -751,7 +762,10 @@ class ProcessTable(Generic[R]):
                 store.drop(dp.key)
                 continue
             try:
-                await self._adopt(rec, dp, fds)
+                if dp.info.running:
+                    await self._adopt(rec, dp, fds)
+                else:
+                    self._restore_ended(rec, dp)
             except Exception:
                 log.exception("process %d of sandbox %s could not be taken back", dp.pid, sid)
                 journal.end(dp.sid, dp.pid)
@@ -759,18 +773,36 @@ class ProcessTable(Generic[R]):
         for key in held:
             store.drop(key)
 
-    async def _adopt(self, rec: R, dp: DurableProcess, fds: dict[str, int] | None) -> None:
-        node, lim = self.node, self.limits
-        info = dp.info
-        info.running, info.exit_code, info.signal, info.ended_at = True, None, None, None
-        proc = _Process(info, dp.ring_cap, dp.tenant)
-        proc.t0 = time.monotonic() - max(0.0, node.clock.time() - info.started_at)
+    def _insert(self, sid: str, dp: DurableProcess) -> _Process:
+        """A journaled entry back in its sandbox's table (its ring reserved)."""
+        proc = _Process(dp.info, dp.ring_cap, dp.tenant)
+        proc.durable = dp
+        proc.t0 = time.monotonic() - max(0.0, self.node.clock.time() - dp.info.started_at)
         self._reserve(dp.tenant, proc.ring_cap)
-        table = self._tables.setdefault(rec.id, collections.OrderedDict())
+        table = self._tables.setdefault(sid, collections.OrderedDict())
         old = table.pop(dp.pid, None)
         if old is not None:
             self._release(old.tenant, old.ring_cap)
         table[dp.pid] = proc
+        return proc
+
+    def _restore_ended(self, rec: R, dp: DurableProcess) -> None:
+        """An entry that had ended before the restart: listed with its exit status until
+        evicted (``keep_ended_s`` counts from its end); its output is gone."""
+        now = self.node.clock.time()
+        info = dp.info
+        ended_at = info.ended_at if info.ended_at is not None else now
+        proc = self._insert(rec.id, dp)
+        proc.take("stderr", f"dsec: the output of process {dp.pid} was lost in an edge "
+                  "restart\n".encode(), self.limits.follower_backlog)
+        code = info.exit_code if info.exit_code is not None else -1
+        proc.end(ExecResult(exit_code=code, duration_s=max(0.0, ended_at - info.started_at),
+                            pid=dp.pid), ExitStatus(code, signal=info.signal), ended_at)
+        proc.ended_mono = time.monotonic() - max(0.0, now - ended_at)
+
+    async def _adopt(self, rec: R, dp: DurableProcess, fds: dict[str, int] | None) -> None:
+        node, lim = self.node, self.limits
+        proc = self._insert(rec.id, dp)
         backlog = self._backlog
 
         def sink(stream: StreamName, data: bytes) -> None:
@@ -814,12 +846,11 @@ class ProcessTable(Generic[R]):
             proc.end(ExecResult(exit_code=status.exit_code,
                                 duration_s=time.monotonic() - proc.t0, pid=dp.pid),
                      status, node.clock.time())
-            assert self._journal is not None and self._store is not None
-            self._journal.end(dp.sid, dp.pid)
-            self._store.drop(dp.key)
+            proc.kept = fds is not None
+            self._forget(proc)
             return
         proc.io = io
-        proc.durable = dp
+        proc.kept = True
         io.fds_changed = lambda: self._redeposit(proc)  # type: ignore[attr-defined]
         try:
             node._admit_exec(rec)
@@ -994,9 +1025,10 @@ class ProcessTable(Generic[R]):
             return
         now = self.node.clock.time()
         for p in table.values():
-            if p.durable is not None and self._store is not None:
+            if p.kept and p.durable is not None and self._store is not None:
                 self._store.drop(p.durable.key)
-                p.durable = None
+                p.kept = False
+            p.durable = None
             self._release(p.tenant, p.ring_cap)
             self._uncharge_input(p)
             if p.io is not None:

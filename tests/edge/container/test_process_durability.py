@@ -168,6 +168,9 @@ async def test_background_process_survives_edge_kill_9(edge: EdgeProcess) -> Non
         cat = await _start(c, sid, "cat", stdin_open=True)
         # ends during the downtime, when the test makes /tmp/go
         brief = await _start(c, sid, "while [ ! -e /tmp/go ]; do sleep 0.05; done; exit 7")
+        done = await _start(c, sid, "echo bye; exit 4")        # ends before the kill
+        _, res = await _read(c, sid, done.pid, until=b"\xff")
+        assert res is not None and res.exit_code == 4
         host, brief_host = _host_pid(sid, loop.pid), _host_pid(sid, brief.pid)
         seen = bytearray()       # what a client following it got, up to the kill
 
@@ -200,6 +203,10 @@ async def test_background_process_survives_edge_kill_9(edge: EdgeProcess) -> Non
         assert table[loop.pid].running and table[cat.pid].running, table
         assert table[cat.pid].stdin_open
         assert not table[brief.pid].running and table[brief.pid].exit_code == 7
+        # ended before the kill: still listed with its status; its output is gone
+        assert not table[done.pid].running and table[done.pid].exit_code == 4
+        out, res = await _read(c, sid, done.pid, until=b"\xff")
+        assert b"lost in an edge restart" in out and res is not None and res.exit_code == 4
         out, res = await _read(c, sid, loop.pid, lines=30)
         assert res is None
         after = _numbers(out)
@@ -236,7 +243,8 @@ async def test_background_process_survives_edge_kill_9(edge: EdgeProcess) -> Non
         assert not _alive(host)
         table = await _list(c, sid)
         assert not table[loop.pid].running and table[loop.pid].signal == signal.SIGTERM
-        assert _journaled(edge) == []       # ended: nothing to take back any more
+        # ended: nothing to take back any more (the ends are kept to be listed)
+        assert not any(p.info.running for p in _journaled(edge))
 
 
 async def test_keeper_killed_too_ends_processes_with_a_reason(edge: EdgeProcess) -> None:
@@ -266,7 +274,7 @@ async def test_keeper_killed_too_ends_processes_with_a_reason(edge: EdgeProcess)
         assert res is not None and res.exit_code == -1
     assert not _alive(rec.host_pid)
     assert not os.path.isdir(rec.exec_cgroup)
-    assert _journaled(edge) == []
+    assert not any(p.info.running for p in _journaled(edge))
     with contextlib.suppress(FileNotFoundError):
         assert _keepers(edge) == []
 
