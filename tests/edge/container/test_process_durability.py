@@ -305,3 +305,36 @@ async def test_a_keeper_killed_while_the_edge_runs_is_replaced(edge: EdgeProcess
         assert (await _list(c, sid))[loop.pid].running
         out, _ = await _read(c, sid, loop.pid, lines=5)
         assert len(_numbers(out)) >= 5
+
+
+def test_sdk_background_process_survives_a_supervised_edge_crash() -> None:
+    """`dsec up`'s path, through the SDK: kill -9 of the edge process behind its
+    supervisor's back; the restarted edge lists the process, a connect reads on, and
+    its end comes with its exit code."""
+    import time
+
+    from dsec.cluster.local import LocalCluster
+    from dsec.control.supervisor import RestartPolicy
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root (CI runs as root)")
+    with LocalCluster(edges=1, backend="container", edge_processes=True,
+                      restart=RestartPolicy(first_delay_s=0.05)) as cl, \
+            cl.client() as c:
+        sb = c.sandboxes.create()
+        p = sb.processes.start("read x; echo got-$x; exit 9", stdin=True)
+        cl.kill_edge("edge-0")
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                listed = {i.pid: i for i in sb.processes.list()}
+                break
+            except Exception:  # noqa: BLE001 - the edge is restarting
+                assert time.monotonic() < deadline, "the edge did not come back"
+                time.sleep(0.05)
+        assert listed[p.pid].running
+        q = sb.processes.connect(p.pid)
+        q.send_stdin(b"after\n")
+        res = q.wait(timeout=30)
+        assert res.exit_code == 9 and b"got-after" in res.stdout, res
+        sb.kill()
