@@ -413,7 +413,16 @@ class EdgeNode:
             b.watch(self._on_death)
         # Issue 19: background processes with output rings, stdin, ptys (edge/processes.py)
         from dsec.edge.processes import ProcessTable
-        self.processes = ProcessTable(self)
+        self.processes = ProcessTable(self, state_dir=config.state_dir)
+        spawner = self.processes.helper_spawner
+        if spawner is not None:
+            # the container helper is the keeper's child: its orphans (the table's
+            # processes, once helper and edge are gone) are the keeper's to reap, so
+            # their exit status survives an edge restart (dsec.edge.fdstore)
+            for b in self.backends.values():
+                zygote = getattr(b, "_zygote", None)
+                if zygote is not None and hasattr(zygote, "spawner"):
+                    zygote.spawner = spawner
         # Layer transfer (issue 16): this node's store, through its container backend
         self._own_store: LayerStore | None = None
         self._images_cache: tuple[tuple[object, ...], builtins.list[str], int] | None = None
@@ -448,6 +457,7 @@ class EdgeNode:
             self._load_ended(contents.ended)
             await self._adopt_all(contents.records)
         await self._reconcile()
+        await self.processes.restore()   # background processes the last edge left running
         if journal is not None:
             journal.write_soon()
             await journal.commit()  # what start decided is on disk before anyone is served

@@ -1644,6 +1644,45 @@ class ContainerBackend:
         return await spawn(self, box, req, argv, env, sink, input_pending=input_pending,
                            input_wait_s=input_wait_s)
 
+    def _exec_cgroup_at(self, box: Box, path: str) -> ExecCgroup:
+        """An existing exec cgroup of ``box`` named by its directory (from the process
+        journal: only a direct child of the sandbox's own cgroup is taken)."""
+        parent = box.cg.dirs["unified" if box.cg.version == 2 else "freezer"]
+        if os.path.dirname(os.path.normpath(path)) != os.path.normpath(parent):
+            raise BackendError(f"exec cgroup {path!r} is not one of sandbox {box.sid}'s")
+        return ExecCgroup(box.cg.version, path, box.cg)
+
+    async def adopt_process(self, sid: SandboxId, *, pid: int, host_pid: int,
+                            host_start: int, exec_cgroup: str, fds: dict[str, int],
+                            sink: Callable[[Literal["stdout", "stderr"], bytes], None],
+                            pty: tuple[int, int] | None, deadline_in_s: float | None,
+                            input_pending: int = 1 << 20, input_wait_s: float = 30.0,
+                            lost_status: Callable[[], int | None] | None = None,
+                            ) -> ContainerProcess | None:
+        """A process of the table a previous edge started (dsec.edge.fdstore), taken back
+        with its descriptors; None if it is gone (``fds`` are closed then)."""
+        from dsec.edge.backends.container.procio import adopt
+        try:
+            box = self.box(sid)
+            ec = self._exec_cgroup_at(box, exec_cgroup)
+        except BaseException:
+            for fd in fds.values():
+                os.close(fd)
+            raise
+        return adopt(self, box, ec, sink, pid=pid, host_pid=host_pid,
+                     host_start=host_start, fds=fds, pty=pty, deadline_in_s=deadline_in_s,
+                     input_pending=input_pending, input_wait_s=input_wait_s,
+                     lost_status=lost_status)
+
+    async def kill_process(self, sid: SandboxId, exec_cgroup: str) -> None:
+        """End a process of the table a previous edge started whose descriptors were
+        lost (the keeper died too): everything in its exec cgroup, which then goes."""
+        box = self.box(sid)
+        ec = self._exec_cgroup_at(box, exec_cgroup)
+        if os.path.isdir(ec.dir):
+            self._kill_exec(0, ec, send=False)
+            await self._clear_exec_cgroup(box, ec)
+
     @property
     def supports_hide(self) -> bool:
         """``ExecRequest.hide`` is kept: native runtime (nsexec applies Landlock before

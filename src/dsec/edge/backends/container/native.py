@@ -27,11 +27,13 @@ import array
 import asyncio
 import errno
 import itertools
+import logging
 import os
 import select
 import socket
 import subprocess
 from collections.abc import Callable
+from typing import Protocol
 
 from dsec.edge.backends.container.nsexec import ensure_nsexec
 from dsec.edge.backends.container.protocol import (
@@ -42,7 +44,7 @@ from dsec.edge.backends.container.protocol import (
     decode_reply,
     encode,
 )
-from dsec.errors import BackendError, InvalidArgument
+from dsec.errors import BackendError, DsecError, InvalidArgument
 from dsec.net.seccomp import compile_profile
 
 __all__ = ["INIT_BINARIES", "ZygoteClient"]
@@ -50,6 +52,19 @@ __all__ = ["INIT_BINARIES", "ZygoteClient"]
 INIT_BINARIES = ("/usr/bin/catatonit",)
 
 ReplyHandler = Callable[[Reply, list[int]], None]
+
+
+class ZygoteProcess(Protocol):
+    """What the client uses of the zygote's process (:class:`subprocess.Popen` has it)."""
+
+    @property
+    def pid(self) -> int: ...
+    def kill(self) -> None: ...
+    def wait(self, timeout: float | None = None) -> int: ...
+
+
+ZygoteSpawner = Callable[[list[str], str, list[int]], ZygoteProcess]
+log = logging.getLogger(__name__)
 
 
 # sendmsg errors that mean the helper is gone; any other fails only the request at hand.
@@ -77,11 +92,16 @@ class ZygoteClient:
         """``nsexec_dir``: where ``dsec-nsexec`` is built/cached (default
         :func:`~.nsexec.default_cache_dir`)."""
         self.nsexec_dir = nsexec_dir
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.proc: ZygoteProcess | None = None
         self.sock: socket.socket | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self.handlers: dict[int, ReplyHandler] = {}
         self.ids = itertools.count(1)
+        #: who starts the zygote instead of this process (the edge's descriptor keeper,
+        #: dsec.edge.fdstore: then the commands it starts are the keeper's to reap once
+        #: zygote and edge are gone, and their exit status survives an edge restart).
+        #: ``spawner(argv with {0}.. for fds, executable, fds)``; None: a child of ours.
+        self.spawner: ZygoteSpawner | None = None
 
     @property
     def pid(self) -> int | None:
@@ -100,13 +120,7 @@ class ZygoteClient:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         _size_send_buffer(ours)
         try:
-            # argv[0] is a bare name: every exec's final process shows the zygote's argv
-            # in /proc/<pid>/cmdline inside the sandbox until its execve, and the binary's
-            # path is a host path (the nsexec cache dir).
-            self.proc = subprocess.Popen(
-                ["dsec-nsexec", "serve", str(theirs.fileno()), str(bpf[0]), str(bpf[1]), init],
-                executable=binary, pass_fds=[theirs.fileno(), *bpf],
-                stdin=subprocess.DEVNULL, close_fds=True)
+            self.proc = self._spawn(binary, init, theirs.fileno(), bpf)
         finally:
             theirs.close()
             for fd in bpf:
@@ -114,6 +128,23 @@ class ZygoteClient:
         ours.setblocking(False)
         self.sock = ours
         self.loop.add_reader(ours.fileno(), self._readable)
+
+    def _spawn(self, binary: str, init: str, sock: int, bpf: list[int]) -> ZygoteProcess:
+        # argv[0] is a bare name: every exec's final process shows the zygote's argv
+        # in /proc/<pid>/cmdline inside the sandbox until its execve, and the binary's
+        # path is a host path (the nsexec cache dir).
+        if self.spawner is not None:
+            try:
+                return self.spawner(["dsec-nsexec", "serve", "{0}", "{1}", "{2}", init],
+                                    binary, [sock, *bpf])
+            except DsecError as exc:
+                log.warning("the descriptor keeper could not start the container helper "
+                            "(%s): starting it here; its processes' exit status will not "
+                            "survive an edge restart", exc)
+        return subprocess.Popen(
+            ["dsec-nsexec", "serve", str(sock), str(bpf[0]), str(bpf[1]), init],
+            executable=binary, pass_fds=[sock, *bpf], stdin=subprocess.DEVNULL,
+            close_fds=True)
 
     def next_id(self) -> int:
         return next(self.ids)

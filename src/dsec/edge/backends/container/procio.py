@@ -35,6 +35,7 @@ import socket
 import struct
 import termios
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Literal, Protocol
 
 from dsec.edge.backends.container.protocol import (
@@ -62,9 +63,11 @@ if TYPE_CHECKING:
     from dsec.edge.governor import ExecCgroup, Governor
     from dsec.wire.spec import ExecRequest
 
-__all__ = ["ContainerProcess", "ProcessBackend", "spawn"]
+__all__ = ["LOST", "ContainerProcess", "ProcessBackend", "adopt", "spawn"]
 
 _READ = 1 << 16
+#: the end of an adopted process: nothing of this edge reaped it, its status is unknown
+LOST = Failed(0, "exit status lost in the edge restart")
 #: writes that may wait for room in one process's input buffer at once
 MAX_WAITERS = 4
 StreamName = Literal["stdout", "stderr"]
@@ -87,7 +90,7 @@ class ProcessBackend(Protocol):
 
     def _init_fd(self, box: Box) -> contextlib.AbstractContextManager[int]: ...
     def _new_exec_cgroup(self, box: Box) -> ExecCgroup: ...
-    def _kill_exec(self, rid: int, ec: ExecCgroup) -> None: ...
+    def _kill_exec(self, rid: int, ec: ExecCgroup, *, send: bool = True) -> None: ...
     async def _clear_exec_cgroup(self, box: Box, ec: ExecCgroup) -> None: ...
     def _release_exec_cgroup(self, box: Box, ec: ExecCgroup) -> None: ...
 
@@ -121,6 +124,34 @@ class ContainerProcess:
         self.timer: asyncio.TimerHandle | None = None
         self.t0 = time.monotonic()
         self.gone = False
+        self.adopted = False            # taken back after an edge restart (not the zygote's)
+        #: an adopted process's exit status from whoever reaped it (blocking; None: lost)
+        self.lost_status: Callable[[], int | None] | None = None
+        #: the table's hook: the descriptors to keep across a restart changed
+        self.fds_changed: Callable[[], None] | None = None
+
+    def held_fds(self) -> dict[str, int]:
+        """The descriptors a restarted edge needs to take this process back: its output
+        pipes' read ends, its stdin's write end, or its terminal master."""
+        out: dict[str, int] = {}
+        for fd, stream in self.readers.items():
+            if fd != self.master:
+                out["out" if stream == "stdout" else "err"] = fd
+        if self.master >= 0:
+            out["pty"] = self.master
+        elif self.stdin_fd >= 0 and not self.closing_stdin:
+            out["in"] = self.stdin_fd
+        return out
+
+    def identity(self) -> tuple[int, int, str]:
+        """What names it across an edge restart: host pid, that pid's start time, and
+        its exec cgroup's directory."""
+        from dsec.ownership import start_time
+        return self.host_pid, start_time(self.host_pid) or 0, self.ec.dir
+
+    def _changed(self) -> None:
+        if self.fds_changed is not None:
+            self.fds_changed()
 
     # ------------------------------------------------------------------ zygote replies
     def on_reply(self, reply: Reply, fds: list[int]) -> None:
@@ -221,6 +252,7 @@ class ContainerProcess:
         self.read_from(self.master, "stdout")
         if self.pending:
             self.loop.add_writer(self.master, self._writable)
+        self._changed()
 
     def _close_sock(self) -> None:
         if self.sock is not None:
@@ -300,6 +332,7 @@ class ContainerProcess:
         if self.closing_stdin and fd != self.master:
             os.close(fd)
             self.stdin_fd = -1
+            self._changed()
 
     def _stop_writer(self) -> None:
         if self.stdin_fd >= 0:
@@ -319,6 +352,7 @@ class ContainerProcess:
             self._stop_writer()
             os.close(self.stdin_fd)
             self.stdin_fd = -1
+        self._changed()   # the keeper's copy of the write end goes too: EOF reaches it
 
     # ------------------------------------------------------------------ control
     def signal(self, sig: int) -> None:
@@ -326,7 +360,7 @@ class ContainerProcess:
             return
         if sig == signal.SIGKILL:
             self.killed = True
-            self.backend._kill_exec(self.rid, self.ec)
+            self.backend._kill_exec(self.rid, self.ec, send=not self.adopted)
             return
         try:
             # its pidfd first: unreaped (the zygote reaps it), so its pid - its process
@@ -349,7 +383,7 @@ class ContainerProcess:
     def _timeout(self) -> None:
         self.timed_out = True
         self.killed = True
-        self.backend._kill_exec(self.rid, self.ec)
+        self.backend._kill_exec(self.rid, self.ec, send=not self.adopted)
 
     # ------------------------------------------------------------------ end
     async def wait(self) -> ExitStatus:
@@ -358,6 +392,11 @@ class ContainerProcess:
         finally:
             if self.timer is not None:
                 self.timer.cancel()
+        if reply is LOST and self.lost_status is not None:
+            # not our child: the keeper reaped it (dsec.edge.fdstore), if it was its
+            st = await asyncio.to_thread(self.lost_status)
+            if st is not None:
+                reply = Exited(0, st, self.host_pid)
         self._drain()
         self._release()
         if self.gone:
@@ -372,6 +411,12 @@ class ContainerProcess:
             code = os.waitstatus_to_exitcode(st)
             return ExitStatus(128 - code if code < 0 else code, signal=sig,
                               timed_out=self.timed_out)
+        if reply is LOST:
+            self.sink("stderr", (
+                f"dsec: process {self.pid} ended after an edge restart; its exit status "
+                "was lost in the edge restart (the exec helper that was its parent went "
+                "with the old edge)\n").encode())
+            return ExitStatus(-1, timed_out=self.timed_out)
         self.sink("stderr", f"dsec: {getattr(reply, 'message', reply)}\n".encode())
         return ExitStatus(-1, timed_out=self.timed_out)
 
@@ -386,6 +431,9 @@ class ContainerProcess:
             os.close(self.stdin_fd)
             self.stdin_fd = -1
         if self.pidfd >= 0:
+            if self.adopted:
+                with contextlib.suppress(ValueError, OSError):
+                    self.loop.remove_reader(self.pidfd)
             os.close(self.pidfd)
             self.pidfd = -1
         self.pending.clear()
@@ -500,4 +548,62 @@ async def spawn(backend: ProcessBackend, box: Box, req: ExecRequest, argv: list[
         p.pidfd = -1            # already reaped: it ended; signals are moot
     if req.timeout_s is not None:
         p.timer = p.loop.call_later(req.timeout_s, p._timeout)
+    return p
+
+
+def adopt(backend: ProcessBackend, box: Box, ec: ExecCgroup, sink: OutputSink, *,
+          pid: int, host_pid: int, host_start: int, fds: dict[str, int],
+          pty: tuple[int, int] | None, deadline_in_s: float | None,
+          input_pending: int = 1 << 20, input_wait_s: float = 30.0,
+          lost_status: Callable[[], int | None] | None = None,
+          ) -> ContainerProcess | None:
+    """Take back a process a previous edge started (its descriptors ``fds`` from the
+    keeper; they become this object's). None if ``host_pid`` is no longer that process
+    (``host_start`` differs: it ended, its pid may be another's now); the caller closes
+    nothing then: ``fds`` are closed here.
+
+    Its end is learned from its pidfd (readable once it exits); its status is not (it
+    is not our child): :data:`LOST`. Signals go to its process group as for any process
+    of the table; SIGKILL and its timeout kill its exec cgroup."""
+    from dsec.ownership import start_time
+    p = ContainerProcess(backend, box, 0, ec, sink, pty=pty, input_pending=input_pending,
+                         input_wait_s=input_wait_s)
+    p.adopted = True
+    p.lost_status = lost_status
+    try:
+        pidfd = os.pidfd_open(host_pid)
+    except OSError:
+        pidfd = -1
+    if pidfd < 0 or start_time(host_pid, running=True) != host_start:
+        if pidfd >= 0:
+            os.close(pidfd)
+        for fd in fds.values():
+            os.close(fd)
+        return None
+    p.host_pid, p.pid, p.pidfd = host_pid, pid, pidfd
+    if "pty" in fds:
+        p.master = fds["pty"]
+        p.stdin_fd = p.master
+        p.read_from(p.master, "stdout")
+    else:
+        if "out" in fds:
+            p.read_from(fds["out"], "stdout")
+        if "in" in fds:
+            os.set_blocking(fds["in"], False)
+            p.stdin_fd = fds["in"]
+        else:
+            p.closing_stdin = True
+    if "err" in fds:
+        p.read_from(fds["err"], "stderr")
+    p.started.set_result(Running(0, host_pid, pid))
+
+    def ended() -> None:
+        with contextlib.suppress(ValueError, OSError):
+            p.loop.remove_reader(pidfd)
+        if not p.exited.done():
+            p.exited.set_result(LOST)
+
+    p.loop.add_reader(pidfd, ended)
+    if deadline_in_s is not None:
+        p.timer = p.loop.call_later(max(deadline_in_s, 0.0), p._timeout)
     return p

@@ -1,0 +1,443 @@
+"""What lets a background process outlive its edge (issue 22 durability stream): the
+process table's entries on disk, and its descriptors in a keeper process.
+
+``process_start`` acknowledges a process that keeps running however long it likes; the
+edge that started it may be killed meanwhile. Two things must survive that:
+
+- **the entry** (:class:`DurableProcess`: sandbox, pid, host pid and its start time,
+  exec cgroup, argv, tenant, ring size, terminal, stdin open, timeout deadline), appended
+  to ``<state-dir>/processes.jsonl`` by :class:`ProcessJournal` *before* the start is
+  answered. A plain ``write`` with no fsync: the page cache survives the edge's kill -9,
+  and a host crash ends every process anyway, so an fsync (~ms here) would buy nothing;
+- **its descriptors** (the read ends of stdout/stderr, the write end of stdin, or the
+  terminal master): a copy of each is handed (SCM_RIGHTS) to the keeper
+  (``dsec.edge.fdkeeper``), a small process of its own session that is not the edge.
+  While the edge is gone the process's output waits in its pipe (64 KiB on Linux; past
+  that its writes block, they do not fail), its stdin stays open.
+
+The restarted edge reads the journal, takes the descriptors back (:meth:`FdStore.take`)
+and the process table adopts each process whose host pid still has its recorded start
+time (:meth:`dsec.edge.processes.ProcessTable.restore`). What is lost: the ring (the
+output the dead edge had read but a client had not), and the exit status of a process
+that ends after its edge died is *not* lost when the keeper started the edge's exec
+helper (:meth:`FdStore.spawn`, the default with a state dir): the keeper is a child
+subreaper, the helper's orphans come to it, and it keeps the status of each process it
+holds descriptors for (:meth:`FdStore.status`). Only when that chain is broken (the keeper
+was killed, or the process was started under a helper the keeper did not start) is such
+an end reported as "exit status lost in the edge restart" (``exit_code`` -1).
+"""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import select
+import signal
+import socket
+import struct
+import subprocess
+import sys
+from collections.abc import Callable
+
+import msgspec
+
+from dsec.errors import BackendError
+from dsec.wire.process import ProcessInfo
+
+__all__ = ["KEEPER_SOCKET", "PROCESS_JOURNAL", "DurableProcess", "FdStore", "KeptChild",
+           "ProcessJournal"]
+
+log = logging.getLogger(__name__)
+
+KEEPER_SOCKET = "fdkeeper.sock"
+PROCESS_JOURNAL = "processes.jsonl"
+_KEEPER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fdkeeper.py")
+
+
+class DurableProcess(msgspec.Struct, kw_only=True):
+    """One running entry of a process table, as the journal keeps it."""
+
+    sid: str
+    pid: int                        # in the sandbox
+    host_pid: int
+    host_start: int                 # /proc/<host_pid>/stat field 22: names it for the boot
+    exec_cgroup: str                # its exec cgroup's directory
+    info: ProcessInfo
+    tenant: str = ""
+    ring_cap: int = 1 << 20
+    deadline: float | None = None   # wall clock: its timeout kills it then
+    pty: tuple[int, int] | None = None
+
+    @property
+    def key(self) -> str:
+        return f"{self.sid}/{self.host_pid}/{self.host_start}"
+
+
+class _Put(msgspec.Struct, tag="p", array_like=True):
+    proc: DurableProcess
+
+
+class _End(msgspec.Struct, tag="e", array_like=True):
+    sid: str
+    pid: int
+
+
+class _Drop(msgspec.Struct, tag="d", array_like=True):
+    sid: str
+
+
+_Line = _Put | _End | _Drop
+
+
+class ProcessJournal:
+    """``<state-dir>/processes.jsonl``: append-only, compacted when it holds more than
+    4x the live entries plus 1,000 lines (module docstring for why no fsync)."""
+
+    def __init__(self, state_dir: str) -> None:
+        self.path = os.path.join(state_dir, PROCESS_JOURNAL)
+        self.live: dict[tuple[str, int], DurableProcess] = {}
+        self._fd = -1
+        self._lines = 0
+        self._enc = msgspec.json.Encoder()
+
+    def load(self) -> dict[tuple[str, int], DurableProcess]:
+        """Read what a previous edge left (a torn last line is skipped), then compact."""
+        dec = msgspec.json.Decoder(_Line)
+        live: dict[tuple[str, int], DurableProcess] = {}
+        try:
+            with open(self.path, "rb") as f:
+                raw = f.read()
+        except FileNotFoundError:
+            raw = b""
+        for line in raw.splitlines():
+            if not line.strip():
+                continue
+            try:
+                rec = dec.decode(line)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                log.warning("%s: skipped an unreadable line", self.path)
+                continue
+            if isinstance(rec, _Put):
+                live[(rec.proc.sid, rec.proc.pid)] = rec.proc
+            elif isinstance(rec, _End):
+                live.pop((rec.sid, rec.pid), None)
+            else:
+                for k in [k for k in live if k[0] == rec.sid]:
+                    del live[k]
+        self.live = dict(live)
+        self._compact()
+        return live
+
+    def put(self, proc: DurableProcess) -> None:
+        self.live[(proc.sid, proc.pid)] = proc
+        self._append(_Put(proc))
+
+    def end(self, sid: str, pid: int) -> None:
+        if self.live.pop((sid, pid), None) is not None:
+            self._append(_End(sid, pid))
+
+    def drop(self, sid: str) -> list[DurableProcess]:
+        gone = [k for k in self.live if k[0] == sid]
+        if not gone:
+            return []
+        out = [self.live.pop(k) for k in gone]
+        self._append(_Drop(sid))
+        return out
+
+    def _append(self, rec: _Line) -> None:
+        if self._fd < 0:
+            self._open()
+        data = self._enc.encode(rec) + b"\n"
+        try:
+            os.write(self._fd, data)
+        except OSError as exc:
+            # a full disk: the process runs, but would not be found after a restart
+            raise BackendError(f"cannot record a process in {self.path}: {exc}; free "
+                               "space in the edge's state directory") from exc
+        self._lines += 1
+        if self._lines > 4 * len(self.live) + 1000:
+            self._compact()
+
+    def _open(self) -> None:
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC,
+                           0o600)
+
+    def _compact(self) -> None:
+        tmp = self.path + ".tmp"
+        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600),
+                  "wb") as f:
+            f.write(b"".join(self._enc.encode(_Put(p)) + b"\n" for p in self.live.values()))
+        os.replace(tmp, self.path)
+        if self._fd >= 0:
+            os.close(self._fd)
+        self._open()
+        self._lines = len(self.live)
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+class KeptChild:
+    """A process the keeper started for the edge (the exec helper), as the edge drives
+    it: the parts of :class:`subprocess.Popen` it uses. The keeper reaps it; its pidfd
+    says when it is gone."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        try:
+            self._pidfd = os.pidfd_open(pid)
+        except OSError:
+            self._pidfd = -1
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None and (self._pidfd < 0 or select.select(
+                [self._pidfd], [], [], 0)[0]):
+            self._gone()
+        return self.returncode
+
+    def _gone(self) -> None:
+        self.returncode = -1          # the keeper reaped it; its status is the keeper's
+        if self._pidfd >= 0:
+            os.close(self._pidfd)
+            self._pidfd = -1
+
+    def kill(self) -> None:
+        if self._pidfd >= 0:
+            with contextlib.suppress(OSError):
+                signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None and self._pidfd >= 0 and not select.select(
+                [self._pidfd], [], [], timeout)[0]:
+            raise subprocess.TimeoutExpired("dsec-nsexec", timeout or 0)
+        self._gone()
+        assert self.returncode is not None
+        return self.returncode
+
+
+class FdStore:
+    """The edge's side of the keeper (``dsec.edge.fdkeeper``): started on first use, or
+    found again on its socket after a restart. Calls are synchronous sends on a local
+    socket (~10 us); only :meth:`take` and :meth:`keys` wait for an answer (at restore).
+
+    ``on_reconnect``: called after the keeper was found gone and a new one started, to
+    hand it again everything that must be held (the lost keeper's copies are gone)."""
+
+    def __init__(self, state_dir: str, *, orphan_s: float = 600.0,
+                 python: str = sys.executable) -> None:
+        self.path = os.path.join(state_dir, KEEPER_SOCKET)
+        self.orphan_s = orphan_s
+        self.python = python
+        self.sock: socket.socket | None = None
+        self.keeper: subprocess.Popen[bytes] | None = None
+        self.on_reconnect: Callable[[], None] | None = None
+        self._watched = -1
+
+    # ------------------------------------------------------------------ connection
+    def _connect(self, *, spawn: bool) -> socket.socket | None:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        try:
+            s.connect(self.path)
+        except (FileNotFoundError, ConnectionRefusedError):
+            s.close()
+            return self._spawn() if spawn else None
+        except OSError as exc:
+            s.close()
+            raise BackendError(f"cannot reach the descriptor keeper at {self.path}: "
+                               f"{exc}") from exc
+        creds = s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        _, uid, _ = struct.unpack("3i", creds)
+        if uid != os.getuid():
+            s.close()
+            raise BackendError(f"{self.path} is served by uid {uid}, not this edge's: "
+                               "refusing to hand it descriptors; remove it")
+        return s
+
+    def _spawn(self) -> socket.socket:
+        if self.keeper is not None:
+            self.keeper.poll()          # reap a keeper that died (kill -9)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+        lst = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            old = os.umask(0o177)
+            try:
+                lst.bind(self.path)
+            finally:
+                os.umask(old)
+            lst.listen(16)
+            self.keeper = subprocess.Popen(
+                [self.python, "-I", _KEEPER, str(lst.fileno()), self.path, str(self.orphan_s)],
+                pass_fds=[lst.fileno()], start_new_session=True, cwd="/",
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+            s.connect(self.path)      # queued on the listener until the keeper accepts
+            return s
+        except OSError as exc:
+            raise BackendError(f"cannot start the descriptor keeper at {self.path}: {exc}") \
+                from exc
+        finally:
+            lst.close()
+
+    def _sock(self) -> socket.socket:
+        if self.sock is None:
+            self.sock = self._connect(spawn=True)
+            assert self.sock is not None
+            try:
+                # nothing is ever sent back on this connection: readable means the keeper
+                # died; a new one gets everything at once (not at the next start)
+                asyncio.get_running_loop().add_reader(self.sock.fileno(), self._lost)
+                self._watched = self.sock.fileno()
+            except RuntimeError:
+                pass     # no event loop (a tool): the next send notices
+        assert self.sock is not None
+        return self.sock
+
+    def _lost(self) -> None:
+        log.warning("descriptor keeper at %s went away: starting another", self.path)
+        self._reset()
+        if self.on_reconnect is None:
+            return
+        try:
+            self._sock()
+            self.on_reconnect()
+        except BackendError as exc:
+            log.error("%s; background processes will not survive an edge restart", exc)
+
+    def _send(self, msg: dict[str, object], fds: list[int]) -> None:
+        data = json.dumps(msg).encode()
+        anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())] \
+            if fds else []
+        for attempt in (0, 1):
+            fresh = self.sock is None
+            s = self._sock()
+            try:
+                s.sendmsg([data], anc)
+                return
+            except OSError as exc:
+                self._reset()
+                if attempt:
+                    raise BackendError(f"the descriptor keeper at {self.path} is gone and "
+                                       f"could not be restarted: {exc}") from exc
+                log.warning("descriptor keeper at %s gone (%s): starting another", self.path,
+                            exc)
+                if not fresh and self.on_reconnect is not None:
+                    self._sock()
+                    self.on_reconnect()
+
+    def _reset(self) -> None:
+        if self._watched >= 0:
+            with contextlib.suppress(RuntimeError, ValueError, OSError):
+                asyncio.get_running_loop().remove_reader(self._watched)
+            self._watched = -1
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
+
+    # ------------------------------------------------------------------ operations
+    def put(self, key: str, fds: dict[str, int]) -> None:
+        """Hold copies of ``fds`` under ``key`` (replacing what it held)."""
+        names = list(fds)
+        self._send({"op": "put", "key": key, "names": names}, [fds[n] for n in names])
+
+    def drop(self, key: str) -> None:
+        """Stop holding ``key`` (no keeper running: nothing is held; none is started)."""
+        try:
+            if self.sock is None:
+                self.sock = self._connect(spawn=False)
+            if self.sock is not None:
+                self.sock.sendmsg([json.dumps({"op": "drop", "key": key}).encode()])
+        except (OSError, BackendError):
+            self._reset()
+
+    def _ask(self, msg: dict[str, object], fds: list[int] | None = None, *,
+             spawn: bool = False, timeout_s: float = 5.0,
+             ) -> tuple[dict[str, object], list[int]]:
+        """One question on a connection of its own (answers never mix with the main
+        connection's traffic; safe from a thread)."""
+        try:
+            s = self._connect(spawn=False)
+            if s is None and spawn:
+                self._sock()          # starts the keeper (and keeps the main connection)
+                s = self._connect(spawn=False)
+        except BackendError as exc:
+            if spawn:
+                raise
+            log.warning("%s", exc)
+            return {}, []
+        if s is None:
+            if self.sock is None:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.path)     # a dead keeper's socket (it was killed)
+            return {}, []
+        anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())] \
+            if fds else []
+        try:
+            s.settimeout(timeout_s)
+            s.sendmsg([json.dumps(msg).encode()], anc)
+            data, ranc, _, _ = s.recvmsg(1 << 16, socket.CMSG_SPACE(8 * 4),
+                                         socket.MSG_CMSG_CLOEXEC)
+        except OSError:
+            return {}, []
+        finally:
+            s.close()
+        got = array.array("i")
+        for level, kind, blob in ranc:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                got.frombytes(blob[: len(blob) - len(blob) % 4])
+        try:
+            return dict(json.loads(data or b"{}")), list(got)
+        except ValueError:
+            for fd in got:
+                os.close(fd)
+            return {}, []
+
+    def take(self, key: str) -> dict[str, int] | None:
+        """Copies of what ``key`` holds (the keeper keeps its own), or None: no keeper
+        (it was killed, or never started), or it holds nothing under ``key``."""
+        reply, fds = self._ask({"op": "take", "key": key})
+        names = reply.get("names")
+        if not isinstance(names, list) or len(names) != len(fds):
+            for fd in fds:
+                os.close(fd)
+            return None
+        return dict(zip((str(n) for n in names), fds, strict=True))
+
+    def keys(self) -> list[str] | None:
+        """What the keeper holds; None if no keeper answers."""
+        reply, _ = self._ask({"op": "keys"})
+        keys = reply.get("keys")
+        return [str(k) for k in keys] if isinstance(keys, list) else None
+
+    def spawn(self, argv: list[str], executable: str, fds: list[int]) -> KeptChild:
+        """Start ``executable`` as a child of the keeper (``{0}``.. in ``argv``: the
+        numbers ``fds`` get there; stdout/stderr: ours). For the edge's exec helper, so
+        the processes it starts are the keeper's to reap once it is gone."""
+        reply, _ = self._ask({"op": "spawn", "argv": argv, "exe": executable,
+                              "stderr": True}, [*fds, 2], spawn=True)
+        pid = reply.get("pid")
+        if not isinstance(pid, int):
+            raise BackendError(f"the descriptor keeper at {self.path} could not start "
+                               f"{executable}: {reply.get('error', 'no answer')}")
+        return KeptChild(pid)
+
+    def status(self, key: str, *, timeout_s: float = 5.0) -> int | None:
+        """The raw wait status of the process ``key`` names, once the keeper reaped it
+        (it waits for that if the process is its child); None if it is not the keeper's
+        to know (or no keeper answers). Blocks: call it from a thread."""
+        reply, _ = self._ask({"op": "status", "key": key}, timeout_s=timeout_s)
+        st = reply.get("status")
+        return st if isinstance(st, int) else None
+
+    def close(self) -> None:
+        """Disconnect (the keeper keeps what it holds for the next edge)."""
+        self._reset()
+        if self.keeper is not None:
+            self.keeper.poll()
