@@ -67,3 +67,22 @@ def test_the_cli_says_an_exec_was_oom_killed() -> None:
             assert r.returncode == 0 and b"OOM" not in r.stderr, r
         finally:
             sb.kill()
+
+
+def test_a_background_process_says_it_was_oom_killed() -> None:
+    """The process table's result carries ``oom_killed`` for its own OOM kill, not for
+    another command's while it ran (both transports' handles read the same result)."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root (CI runs as root)")
+    with LocalCluster(edges=1, backend="container") as cl, cl.client() as c:
+        sb = c.sandboxes.create(memory="64MiB")
+        try:
+            bystander = sb.processes.start("sleep 60")
+            hog = sb.exec("head -c 400m /dev/zero | tail > /dev/null", background=True)
+            r = hog.wait(timeout=60)
+            assert r.exit_code == 137 and r.oom_killed, r
+            assert sb.exec(HOG, timeout=60).oom_killed      # another OOM kill meanwhile
+            bystander.kill()
+            assert not bystander.wait(timeout=30).oom_killed
+        finally:
+            sb.kill()

@@ -357,6 +357,18 @@ class _Backlog:
             self.followers.discard(f)
 
 
+def _oom_kills(rec: Any) -> int | None:
+    """The OOM kills in ``rec``'s sandbox so far, or None where its backend cannot say."""
+    count = getattr(rec.backend, "oom_kills_of", None)
+    if count is None:
+        return None
+    try:
+        got = count(SandboxId(rec.id))
+    except (DsecError, OSError):
+        return None
+    return got if isinstance(got, int) else None
+
+
 class _Process:
     """One entry of a sandbox's table."""
 
@@ -375,6 +387,8 @@ class _Process:
         self.ended_mono: float | None = None
         self.durable: DurableProcess | None = None   # journaled (running or ended)
         self.kept = False                            # its descriptors are with the keeper
+        self.oom_before: int | None = None           # the sandbox's OOM kills at its start
+        self.killed_by_caller = False                # process_signal sent it SIGKILL
 
     def take(self, stream: StreamName, data: bytes, backlog_cap: int,
              backlog: _Backlog | None = None) -> None:
@@ -628,6 +642,7 @@ class ProcessTable(Generic[R]):
         def sink(stream: StreamName, data: bytes) -> None:
             proc.take(stream, data, lim.follower_backlog, backlog)
 
+        proc.oom_before = _oom_kills(rec)
         try:
             io = await self._spawn(rec, req, sink)
         except BaseException:
@@ -889,6 +904,17 @@ class ProcessTable(Generic[R]):
                 self.node._exec_ended(rec)
         result = ExecResult(exit_code=status.exit_code, timed_out=status.timed_out,
                             duration_s=time.monotonic() - proc.t0, pid=io.pid)
+        killed = status.signal == _signal.SIGKILL or status.exit_code == 128 + _signal.SIGKILL
+        if killed and not status.timed_out and not proc.killed_by_caller \
+                and proc.oom_before is not None:
+            # As exec: the sandbox's OOM counter is bumped at the kill, before the exit is
+            # seen. A long-lived process outlives other processes' OOM kills, so only an
+            # end by SIGKILL (or a shell's 137: its last command's) with the counter risen
+            # while it ran, and not a kill of ours (process_signal, its timeout), counts as
+            # its own. A SIGKILL from another process of the sandbox during someone else's
+            # OOM kill would be misread: there is no per-process OOM record in a memcg.
+            after = _oom_kills(rec)
+            result.oom_killed = after is not None and after > proc.oom_before
         proc.end(result, status, self.node.clock.time())
         self._forget(proc)
         self._uncharge_input(proc)
@@ -1004,6 +1030,8 @@ class ProcessTable(Generic[R]):
     def signal(self, sid: str, pid: int, sig: int) -> None:
         p = self._get(sid, pid)
         if p.io is not None and p.result is None:
+            if sig == _signal.SIGKILL:
+                p.killed_by_caller = True     # its SIGKILL end is not the OOM killer's
             p.io.signal(sig)
 
     def resize(self, sid: str, pid: int, cols: int, rows: int) -> None:

@@ -1683,6 +1683,11 @@ class ContainerBackend:
             self._kill_exec(0, ec, send=False)
             await self._clear_exec_cgroup(box, ec)
 
+    def oom_kills_of(self, sid: SandboxId) -> int:
+        """The OOM kills in ``sid``'s cgroup so far (the process table compares it
+        around a background process, as exec does around a command)."""
+        return self.governor.oom_kills(self.box(sid).cg)
+
     @property
     def supports_hide(self) -> bool:
         """``ExecRequest.hide`` is kept: native runtime (nsexec applies Landlock before
