@@ -109,6 +109,7 @@ from dsec.edge.qos import (
     parse_class_cpus,
     parse_class_io,
     parse_cpulist,
+    qos_policy_text,
     qos_process,
 )
 from dsec.edge.usage import net_bytes
@@ -744,6 +745,10 @@ class ContainerBackend:
             os.close(fd)
         if owner:
             os.chown(etc, owner, owner)
+
+    def qos_policy(self) -> dict[str, str]:
+        """This backend's QoS pinning and I/O limits, for node info (issue 22)."""
+        return qos_policy_text(self.qos_cpus, self.qos_io, self.io_device)
 
     def _record(self, box: Box) -> BoxRecord:
         return BoxRecord(sid=box.sid, runtime=self.runtime, spec=box.spec,
