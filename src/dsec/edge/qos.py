@@ -568,12 +568,13 @@ def qos_policy_text(cpus: ClassCpus | None, io: Mapping[QosClass, IoLimits],
     ``pressure`` (the PSI thresholds and relief of :class:`PressurePolicy`; absent: off)
     and ``be_only`` (projects run best-effort only, comma-separated)."""
     out: dict[str, str] = {}
+    classes: tuple[QosClass, ...] = ("ls", "be")
     if cpus is not None:
-        for cls in ("ls", "be"):
+        for cls in classes:
             cl = cpus.of(cls)
             if cl is not None:
                 out[f"cpus.{cls}"] = cl
-    for cls in ("ls", "be"):
+    for cls in classes:
         lim = io.get(cls)
         if lim is None:
             continue

@@ -186,10 +186,12 @@ async def test_shared_scratch_is_one_superblock_and_leaks_nothing_between_sandbo
     for line in out.strip().splitlines():
         assert not int(line.split()[1], 16) & (1 << 2), line   # CAP_DAC_READ_SEARCH
     # bytes are charged to the writer: a's memory limit stops its /tmp, b writes on
-    before = (await backend.stats(a)).memory_bytes
+    assert (await backend.stats(a)).memory_tmpfs_bytes < 1 << 20
     code, out = await _sh(backend, a, "dd if=/dev/zero of=/tmp/z bs=1M count=8 2>&1")
     assert code == 0, out
-    assert (await backend.stats(a)).memory_bytes >= before + (8 << 20)
+    st = await backend.stats(a)
+    assert st.memory_tmpfs_bytes >= 8 << 20 and st.memory_bytes >= 8 << 20, st
+    assert (await backend.stats(b)).memory_tmpfs_bytes < 1 << 20
     code, out = await _sh(backend, a, "dd if=/dev/zero of=/tmp/big bs=1M count=96 2>&1")
     assert code != 0, out     # ENOMEM/ENOSPC or the OOM killer: past its 48 MiB
     code, out = await _sh(backend, b, "dd if=/dev/zero of=/tmp/y bs=1M count=8 2>&1 && "

@@ -235,6 +235,7 @@ class ContainerBackend:
                  qos_io: str | None = None,
                  shared_sysfs: bool | str = True,
                  shared_scratch: bool | str = True,
+                 lazy_devpts: bool | str = False,
                  helper_idle_s: float | None = 60.0,
                  clock: Callable[[], float] = time.time) -> None:
         """``max_sandbox_pids``: the most tasks one sandbox may have; a spec asking for more
@@ -291,6 +292,12 @@ class ContainerBackend:
         node's one scratch tmpfs (native driver; :func:`.density.mount_shared_scratch`
         says what is shared and what is not) instead of a tmpfs of its own - one
         superblock less per sandbox; False: each its own, as before.
+        ``lazy_devpts``: a sandbox gets its devpts instance (its terminals) only when
+        the edge first runs a command on a terminal (pty exec, ``dsec sandbox shell``),
+        not at create - one superblock less per sandbox that never asks for one. The
+        trade (why it is off by default): until then a program inside that opens a
+        terminal itself (openpty, ``script``, tmux, pexpect, sudo's use_pty) gets ENOENT
+        on /dev/ptmx. User-namespace sandboxes always get theirs at create.
         ``helper_idle_s``: an exec helper unused this long is stopped (checked by the
         limits timer, so within ``limits_poll_s`` more); the sandbox's next exec starts a
         new one. None: helpers stay while their sandbox lives.
@@ -379,6 +386,11 @@ class ContainerBackend:
             #: restart finds and removes them through it).
             self.shared_scratch = mount_shared_scratch(os.path.join(self.root_dir, "scratch")) \
                 if shared_scratch and runtime == "native" else ""
+            if isinstance(lazy_devpts, str):
+                lazy_devpts = lazy_devpts.strip().lower() not in ("", "0", "false", "no",
+                                                                  "off")
+            #: devpts mounted by the first pty exec, not at create (native driver)
+            self.lazy_devpts = bool(lazy_devpts) and runtime == "native"
             self._notices = NoticeLimiter(notice_interval_s)
             # Denied packets (plan-14 §4.7): the slots' counters are read every
             # ``denied_poll_s`` (one netlink dump, 0.28 ms for 1,000 slots), a
@@ -772,7 +784,8 @@ class ContainerBackend:
                      # a slot's netns has interfaces of its own: its sysfs shows them
                      sysfs="" if box.netns_fd >= 0 else self.shared_sysfs,
                      scratch=make_scratch_dir(self.shared_scratch, box.sid)
-                     if self.shared_scratch else "")
+                     if self.shared_scratch else "",
+                     lazy_pts=self.lazy_devpts and not box.spec.user_namespace)
 
         def on_reply(reply: Reply, fds: list[int]) -> None:
             if fut.done():   # after Created: the init's exit (Exited) or the zygote's death
@@ -2267,7 +2280,9 @@ class ContainerBackend:
                                 self._peak_boxes,
                                 SUPERBLOCKS_PER_SANDBOX
                                 - (1 if self.shared_sysfs and box.netns_fd < 0 else 0)
-                                - (1 if self.shared_scratch else 0)),
+                                - (1 if self.shared_scratch else 0)
+                                - (1 if self.lazy_devpts and not box.spec.user_namespace
+                                   else 0)),
                             qos=qos_of(box.spec), memory_rss_bytes=held.rss,
                             memory_cache_bytes=held.cache, memory_shm_bytes=held.shm)
 

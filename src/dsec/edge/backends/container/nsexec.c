@@ -66,6 +66,8 @@
 #include <poll.h>
 #include <signal.h>
 #include <sys/epoll.h>
+#include <sys/file.h>
+#include <sys/vfs.h>
 #include <sys/ioctl.h>
 #include <stdint.h>
 #include <sys/mount.h>
@@ -94,6 +96,7 @@ static int status_fd = -1;   /* where failures are reported (create) */
 static int userns_req = 0;   /* F_USERNS on the request being served (inherited by fork) */
 static int netns_req = 0;    /* F_NETNS: join the passed netns instead of a new one */
 static int sysfs_req = 0;    /* F_SYSFS: bind the node's shared sysfs (last argv) at /sys */
+static int lazypts_req = 0;  /* F_LAZYPTS: no devpts at create; the first pty exec mounts it */
 static int scratch_req = 0;  /* F_SCRATCH: the sandbox's dir of the node's shared scratch
                               * tmpfs (last argv) holds its /dev and /tmp */
 static int exec_mode = 0;
@@ -494,7 +497,57 @@ static int do_exec(int argc, char **argv) {
  * (TIOCSWINSZ: the kernel signals SIGWINCH to the foreground group). The slave is opened
  * from the master (TIOCGPTPEER: no path lookup in /dev/pts, which the sandbox owns), and
  * the master must be the real multiplexer (char 5:2), else nothing is sent. */
+#ifndef DEVPTS_SUPER_MAGIC
+#define DEVPTS_SUPER_MAGIC 0x1cd1
+#endif
+#ifndef TMPFS_MAGIC
+#define TMPFS_MAGIC 0x01021994
+#endif
+/* F_LAZYPTS sandboxes (ContainerBackend lazy_devpts) get no devpts instance at create -
+ * one superblock less per sandbox, and every superblock costs every memory cgroup a
+ * shrinker slot (docs/container.md, Density) - so the first pty exec mounts the
+ * sandbox's own instance here, in its mount namespace, still with every capability (not
+ * for user-namespace sandboxes: those get theirs at create). /dev/pts is the sandbox's
+ * to change: it is opened without following a symlink and must be a directory of its
+ * scratch tmpfs (else refused), the mount goes onto that opened directory (move_mount
+ * by fd, no second path walk), and a lock on it serialises concurrent first pty execs
+ * (the loser finds the devpts and uses it). */
+static void ensure_devpts(void) {
+    int d = open("/dev/pts", O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+    if (d < 0) die(126, "open /dev/pts");
+    struct statfs sf;
+    if (fstatfs(d, &sf) < 0) die(126, "statfs /dev/pts");
+    if (sf.f_type == DEVPTS_SUPER_MAGIC) { close(d); return; }
+    if (flock(d, LOCK_EX) < 0) die(126, "lock /dev/pts");
+    int cur = open("/dev/pts", O_PATH | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+    if (cur < 0) die(126, "open /dev/pts");
+    if (fstatfs(cur, &sf) < 0) die(126, "statfs /dev/pts");
+    if (sf.f_type != DEVPTS_SUPER_MAGIC) {
+        if (sf.f_type != TMPFS_MAGIC) {
+            errno = EPERM;
+            die(126, "/dev/pts is not a directory of the sandbox's /dev");
+        }
+        int fs = (int)syscall(SYS_fsopen, "devpts", FSOPEN_CLOEXEC);
+        if (fs < 0) die(126, "fsopen devpts");
+        if (syscall(SYS_fsconfig, fs, FSCONFIG_SET_STRING, "ptmxmode", "0666", 0) < 0 ||
+            syscall(SYS_fsconfig, fs, FSCONFIG_SET_STRING, "mode", "0620", 0) < 0 ||
+            syscall(SYS_fsconfig, fs, FSCONFIG_CMD_CREATE, NULL, NULL, 0) < 0)
+            die(126, "fsconfig devpts");
+        int mnt = (int)syscall(SYS_fsmount, fs, FSMOUNT_CLOEXEC,
+                               MOUNT_ATTR_NOSUID | MOUNT_ATTR_NOEXEC);
+        if (mnt < 0) die(126, "fsmount devpts");
+        close(fs);
+        if (syscall(SYS_move_mount, mnt, "", cur, "",
+                    MOVE_MOUNT_F_EMPTY_PATH | MOVE_MOUNT_T_EMPTY_PATH) < 0)
+            die(126, "move_mount devpts at /dev/pts");
+        close(mnt);
+    }
+    close(cur);
+    close(d);   /* releases the lock */
+}
+
 static void setup_pty(uid_t uid, gid_t gid, int chown_it) {
+    ensure_devpts();   /* a no-op (one statfs) once /dev/pts is a devpts */
     int m = open("/dev/pts/ptmx", O_RDWR | O_NOCTTY | O_CLOEXEC);
     if (m < 0) die(126, "open /dev/pts/ptmx");
     struct stat st;
@@ -970,7 +1023,9 @@ static void build_root_outer(int nlower, char **lowers, const char *upper, const
     }
     snprintf(p, sizeof p, "%s/pts", dev);
     xmkdir(p, 0755);
-    xmount("devpts", p, "devpts", MS_NOSUID | MS_NOEXEC, "newinstance,ptmxmode=0666,mode=0620");
+    if (!lazypts_req)   /* F_LAZYPTS: the first pty exec mounts it (ensure_devpts) */
+        xmount("devpts", p, "devpts", MS_NOSUID | MS_NOEXEC,
+               "newinstance,ptmxmode=0666,mode=0620");
     snprintf(p, sizeof p, "%s/ptmx", dev);
     if (symlink("pts/ptmx", p) < 0) die(1, "symlink %s", p);
     snprintf(p, sizeof p, "%s/shm", dev);
@@ -1173,7 +1228,7 @@ enum { REP_CREATED = 1, REP_STARTED = 2, REP_EXITED = 3, REP_FAILED = 4, REP_RUN
  * bits: cols in 12..21, rows in 22..31. */
 enum { F_BACKGROUND = 1, F_NESTED = 2, F_USERNS = 4, F_NETNS = 8, F_HELPER = 16,
        F_TRACK = 32, F_PTY = 64, F_SYSFS = 128,
-       F_SCRATCH = 256 };
+       F_SCRATCH = 256, F_LAZYPTS = 512 };
 struct req_hdr { uint32_t type, flags; uint64_t id; };
 struct rep_hdr { uint32_t type; int32_t pid; uint64_t id; int32_t ns_pid, status, err; uint32_t len; };
 
@@ -1731,6 +1786,7 @@ static void handle(char *data, size_t len, int *fds, int nfds) {
     netns_req = (h.flags & F_NETNS) != 0;
     sysfs_req = (h.flags & F_SYSFS) != 0;
     scratch_req = (h.flags & F_SCRATCH) != 0;
+    lazypts_req = (h.flags & F_LAZYPTS) != 0;
     pty_req = (h.flags & F_PTY) != 0;
     pty_cols = (unsigned short)((h.flags >> 12) & 1023);
     pty_rows = (unsigned short)((h.flags >> 22) & 1023);
