@@ -240,3 +240,18 @@ async def test_shared_scratch_outlives_close_with_sandboxes_and_reconcile_emptie
     finally:
         await _cleanup(b2)
     assert not os.path.ismount(path)
+
+
+def test_scratch_dir_is_refused_when_the_scratch_is_not_mounted(tmp_path: object) -> None:
+    """A scratch unmounted under a running edge must not put a sandbox's /tmp on the
+    host's disk: the create is refused with the reason."""
+    import os
+
+    from dsec.edge.backends.container.density import make_scratch_dir
+    from dsec.errors import BackendError
+
+    path = os.path.join(str(tmp_path), "scratch")
+    os.makedirs(path)
+    with pytest.raises(BackendError, match="not mounted"):
+        make_scratch_dir(path, "sb-x")
+    assert os.listdir(path) == []

@@ -162,6 +162,12 @@ def scratch_dirs(path: str) -> list[str]:
 def make_scratch_dir(path: str, sid: str) -> str:
     """A fresh empty 0700 directory for sandbox ``sid`` in the shared scratch (a leftover
     of the same id - a crashed create - is removed first). Returns its path."""
+    if not os.path.ismount(path):
+        # unmounted under a running edge: the dir would land on the host's disk (the
+        # sandbox's /tmp silently on the root filesystem); refuse instead
+        raise BackendError(f"the shared scratch tmpfs at {path} is not mounted (unmounted "
+                           "under a running edge?); restart the edge to mount it again, or "
+                           "set shared_scratch=False")
     d = os.path.join(path, sid)
     if os.path.lexists(d):
         remove_scratch_dir(path, sid)
