@@ -65,9 +65,9 @@ from dsec.edge.backends.container.density import (
     make_scratch_dir,
     mount_shared_scratch,
     mount_shared_sysfs,
+    release_shared_scratch,
     remove_scratch_dir,
     uncharged_bytes,
-    unmount_shared_scratch,
     unmount_shared_sysfs,
 )
 from dsec.edge.backends.container.disk import DEFAULT_DISK_BYTES, DiskPool, near_cap
@@ -488,9 +488,9 @@ class ContainerBackend:
         if getattr(self, "shared_sysfs", ""):
             with contextlib.suppress(Exception):
                 unmount_shared_sysfs(self.shared_sysfs)
-        if getattr(self, "shared_scratch", "") and not os.listdir(self.shared_scratch):
+        if getattr(self, "shared_scratch", ""):
             with contextlib.suppress(Exception):
-                unmount_shared_scratch(self.shared_scratch)
+                release_shared_scratch(self.shared_scratch)
         for attr in ("_devnull", "_lock_fd"):
             fd = getattr(self, attr, -1)
             if fd >= 0:
@@ -1527,10 +1527,10 @@ class ContainerBackend:
             # it (their /sys/class/net reads empty once its namespace goes); the next
             # backend mounts a new one.
             unmount_shared_sysfs(self.shared_sysfs)
-        if self.shared_scratch and idle and not os.listdir(self.shared_scratch):
+        if self.shared_scratch and idle:
             # only empty: a sandbox left for adopt() has its /dev and /tmp files here,
-            # removed through this path when it is destroyed
-            unmount_shared_scratch(self.shared_scratch)
+            # removed through this path when it is destroyed (a second close: nothing)
+            release_shared_scratch(self.shared_scratch)
         await self._settled()
         self._snapshots.close()
         self.disk.close()

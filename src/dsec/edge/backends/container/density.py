@@ -27,7 +27,7 @@ from dsec.errors import BackendError
 from dsec.rmtree import remove_tree
 
 __all__ = ["SUPERBLOCKS_PER_SANDBOX", "make_scratch_dir", "mount_shared_scratch",
-           "mount_shared_sysfs", "remove_scratch_dir", "scratch_dirs", "uncharged_bytes",
+           "mount_shared_sysfs", "release_shared_scratch", "remove_scratch_dir", "scratch_dirs", "uncharged_bytes",
            "unmount_shared_scratch", "unmount_shared_sysfs"]
 
 #: overlay root, the scratch tmpfs (/dev, /dev/shm, /tmp, masks), devpts, sysfs, proc and
@@ -147,6 +147,20 @@ def unmount_shared_scratch(path: str) -> None:
         os.rmdir(path)
     except OSError:
         pass
+
+
+def release_shared_scratch(path: str) -> bool:
+    """Unmount the shared scratch at ``path`` if it holds no sandbox dir (a backend's
+    close; again after an earlier close: nothing). True if it is gone."""
+    if not path or not os.path.ismount(path):
+        return True
+    try:
+        if os.listdir(path):
+            return False    # sandboxes left for adopt(): their files are removed through it
+    except OSError:
+        return False
+    unmount_shared_scratch(path)
+    return True
 
 
 def scratch_dirs(path: str) -> list[str]:
