@@ -84,9 +84,10 @@ class Edge:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        pool = os.path.join(self.state, "container", "pool")
-        if os.path.ismount(pool):    # the edge keeps its disk pool mounted for adoption
-            umount2(pool, MNT_DETACH)
+        for sub in ("pool", "scratch"):   # kept mounted for adoption (scratch: issue 22)
+            pool = os.path.join(self.state, "container", sub)
+            if os.path.ismount(pool):
+                umount2(pool, MNT_DETACH)
 
 
 @dataclass

@@ -62,9 +62,10 @@ def two_edges(tmp_path: object) -> Iterator[LocalCluster]:
             p.terminate()
             p.wait(60)
         for node in addrs:   # the edges keep their disk pool mounted for adoption
-            pool = os.path.join(base, node, "container", "pool")
-            if os.path.ismount(pool):
-                umount2(pool, MNT_DETACH)
+            for sub in ("pool", "scratch"):   # (+ the shared scratch tmpfs, issue 22)
+                pool = os.path.join(base, node, "container", sub)
+                if os.path.ismount(pool):
+                    umount2(pool, MNT_DETACH)
 
 
 def test_ports_of_sandboxes_on_two_tcp_edges_through_one_apiserver(

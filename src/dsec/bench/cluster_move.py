@@ -198,9 +198,10 @@ def _create_figures(quick: bool) -> list[Result]:
                     p.kill()
                     p.wait()
             for node in addrs:
-                pool = os.path.join(tmp, node, "container", "pool")
-                if os.path.ismount(pool):
-                    umount2(pool, MNT_DETACH)
+                for sub in ("pool", "scratch"):   # (+ the shared scratch, issue 22)
+                    pool = os.path.join(tmp, node, "container", sub)
+                    if os.path.ismount(pool):
+                        umount2(pool, MNT_DETACH)
     params = {"toolkit_mb": tool_mb, "rounds": rounds, "backend": "container",
               "transport": "tcp-loopback"}
     return [Result(SUITE, "create_nonholder_first_ms", statistics.median(nonholder), "ms",

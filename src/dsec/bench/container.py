@@ -59,7 +59,11 @@ async def _run(ctx: BenchContext, work: str) -> None:
         b = ContainerBackend(root_dir=os.path.join(work, runtime), runtime=runtime,
                              images=DirectoryImages(images),
                              # density: helpers of idle sandboxes go within the run
-                             helper_idle_s=20.0)
+                             helper_idle_s=20.0,
+                             # DSEC_BENCH_DENSITY_LAZY_DEVPTS=1: the opt-in third cut
+                             # (docs/container.md, Density): no devpts until a pty exec
+                             lazy_devpts=os.environ.get("DSEC_BENCH_DENSITY_LAZY_DEVPTS",
+                                                        "0") == "1")
         try:
             warm = new_sandbox_id(node)
             await b.create(warm, spec)
@@ -210,6 +214,14 @@ def _kernel_kib() -> dict[str, int]:
                                           "PageTables", "MemAvailable")}
 
 
+def _superblocks(b: object) -> int:
+    """Superblocks each (loopback-only, no user namespace) sandbox of ``b`` adds to the
+    host: what the per-memcg shrinker map grows with (docs/container.md, Density)."""
+    from dsec.edge.backends.container.density import SUPERBLOCKS_PER_SANDBOX
+    return SUPERBLOCKS_PER_SANDBOX - sum(bool(getattr(b, k, False)) for k in (
+        "shared_sysfs", "shared_scratch", "lazy_devpts"))
+
+
 async def _density(ctx: BenchContext, b: object, spec: SandboxSpec, node: NodeId) -> None:
     """N idle sandboxes, each answering an exec; host memory per sandbox (MemUsed delta,
     which includes the kernel's: slab, per-cpu, stacks, page tables) next to what their
@@ -293,6 +305,7 @@ async def _density(ctx: BenchContext, b: object, spec: SandboxSpec, node: NodeId
         used_x = _meminfo_used() - before
         k2 = _kernel_kib()
         ctx.record("density_sandboxes", len(made), "sandboxes", n=n, answering=ok,
+                   superblocks_per_sandbox=_superblocks(b),
                    create_errors=errors["create"], exec_errors=errors["exec"],
                    create_s=round(t_create, 2), creates_per_s=round(len(made) / t_create, 1),
                    stopped_at_low_memory=low[0] if low else None,

@@ -19,6 +19,13 @@ overlay mount of every sandbox) registers one. So a memcg's cost grows with the 
 of superblocks on the host, and a sandbox's with the number of sandboxes (the
 quadratic term the 10,000 run met); ``--superblocks K`` adds K tmpfs superblocks first to
 show it.
+
+``--sandboxes N`` measures real sandboxes instead: N idle native-container sandboxes
+(``ContainerBackend`` defaults; ``--lazy-devpts``, ``--own-scratch`` to compare), and
+prints per sandbox which slab caches grew (``/proc/slabinfo`` diff: kmalloc-1k is the
+memcg shrinker map, 1 KiB per 64 shrinker ids), the /proc/meminfo kernel parts, the
+init's page tables and how many superblocks of its own a sandbox holds (mount ids in its
+mountinfo that no other sandbox shares; + the unmounted mqueue of its ipc namespace).
 """
 
 from __future__ import annotations
@@ -202,16 +209,129 @@ def measure_all(n: int, work: str, *, superblocks: int = 0,
     return out
 
 
+def _read(path: str) -> str:
+    with open(path) as f:
+        return f.read()
+
+
+def slabinfo(text: str) -> dict[str, tuple[int, int]]:
+    """/proc/slabinfo text -> {cache: (active objects, object size)} (pure)."""
+    out: dict[str, tuple[int, int]] = {}
+    for line in text.splitlines():
+        p = line.split()
+        if len(p) < 4 or line.startswith(("slabinfo", "#")):
+            continue
+        out[p[0]] = (int(p[1]), int(p[3]))
+    return out
+
+
+def slab_growth(before: dict[str, tuple[int, int]], after: dict[str, tuple[int, int]],
+                n: int, top: int = 20) -> list[tuple[str, float, float]]:
+    """The caches that grew most from ``before`` to ``after``, per object of ``n``:
+    (cache, objects each, KiB each), biggest first (pure)."""
+    rows = []
+    for k, (objs, size) in after.items():
+        grew = objs - before.get(k, (0, size))[0]
+        if grew > 0:
+            rows.append((k, grew / n, grew * size / n / 1024))
+    rows.sort(key=lambda r: -r[2])
+    return [(k, round(o, 2), round(kib, 2)) for k, o, kib in rows[:top]]
+
+
+def own_superblocks(mountinfos: list[str]) -> list[str]:
+    """The filesystem types of the superblocks the FIRST mountinfo holds that none of the
+    others does (two sandboxes' mountinfo in: what one sandbox adds) (pure)."""
+    def devs(text: str) -> set[tuple[str, str]]:
+        return {(ln.split()[2], ln.split(" - ", 1)[1].split()[0])
+                for ln in text.splitlines() if " - " in ln}
+    mine = devs(mountinfos[0])
+    for other in mountinfos[1:]:
+        mine -= devs(other)
+    return sorted(t for _, t in mine)
+
+
+async def _sandboxes(n: int, work: str, *, lazy_devpts: bool, own_scratch: bool,
+                     log: Callable[[str], None] = print) -> None:
+    import asyncio
+
+    from dsec.edge.backends.container import ContainerBackend, DirectoryImages
+    from dsec.edge.backends.container.testimage import build_busybox_root
+    from dsec.ids import NodeId, new_sandbox_id
+    from dsec.nofile import raise_nofile
+    from dsec.wire.spec import SandboxSpec
+
+    raise_nofile()
+    images = os.path.join(work, "images")
+    build_busybox_root(os.path.join(images, "base"))
+    b = ContainerBackend(root_dir=os.path.join(work, "native"), images=DirectoryImages(images),
+                         lazy_devpts=lazy_devpts, shared_scratch=not own_scratch)
+    spec = SandboxSpec(backend="container", memory_bytes=256 << 20, pids_max=256)
+    node = NodeId("kcost")
+    sids = [new_sandbox_id(node) for _ in range(n)]
+    made: list[str] = []
+    sem = asyncio.Semaphore(8)
+
+    async def one(sid: str) -> None:
+        async with sem:
+            await b.create(sid, spec)   # type: ignore[arg-type]
+            made.append(sid)
+    try:
+        warm = new_sandbox_id(node)
+        await b.create(warm, spec)
+        await b.destroy(warm)
+        _settle()
+        s0 = slabinfo(_read("/proc/slabinfo"))
+        m0 = meminfo()
+        await asyncio.gather(*(one(s) for s in sids))
+        _settle()
+        s1 = slabinfo(_read("/proc/slabinfo"))
+        m1 = meminfo()
+        log(f"{n} idle sandboxes, load average {os.getloadavg()[0]:.1f}; per sandbox:")
+        for k, objs, kib in slab_growth(s0, s1, n):
+            log(f"  {k:28} {objs:8.2f} objects {kib:8.2f} KiB")
+        log(f"  meminfo: {_delta(m0, m1, n)}")
+        inits = [b._boxes[s].init_pid for s in made[:2]]
+        texts = [_read(f"/proc/{pid}/mountinfo") for pid in inits]
+        pte = next((ln.split(":", 1)[1].strip() for ln in
+                    _read(f"/proc/{inits[0]}/status").splitlines()
+                    if ln.startswith("VmPTE")), "?")
+        log(f"  the init's page tables: {pte}; mounts: {len(texts[0].splitlines())}; own "
+            f"superblocks: {own_superblocks(texts)} + mqueue (its ipc namespace's)")
+    finally:
+        for s in made:
+            try:
+                await b.destroy(s)   # type: ignore[arg-type]
+            except Exception as exc:  # noqa: BLE001 - reconcile below
+                log(f"destroy {s}: {exc}")
+        await b.reconcile(set())
+        await b.close()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--n", type=int, default=500, help="objects of each kind (500)")
     ap.add_argument("--superblocks", type=int, default=0,
                     help="also measure a memory cgroup with this many extra superblocks")
     ap.add_argument("--json", help="write the table here too")
+    ap.add_argument("--sandboxes", type=int, default=0,
+                    help="measure N real idle sandboxes by slab cache instead")
+    ap.add_argument("--lazy-devpts", action="store_true", help="with --sandboxes")
+    ap.add_argument("--own-scratch", action="store_true",
+                    help="with --sandboxes: a tmpfs per sandbox (shared_scratch=False)")
     args = ap.parse_args(argv)
     if os.geteuid() != 0:
         print("needs root", file=sys.stderr)
         return 2
+    if args.sandboxes:
+        import asyncio
+
+        work = tempfile.mkdtemp(prefix="dsec-kcost-", dir="/var/tmp")
+        try:
+            asyncio.run(_sandboxes(args.sandboxes, work, lazy_devpts=args.lazy_devpts,
+                                   own_scratch=args.own_scratch))
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        return 0
     work = tempfile.mkdtemp(prefix="dsec-kcost-", dir="/var/tmp")
     try:
         table = measure_all(args.n, work, superblocks=args.superblocks)

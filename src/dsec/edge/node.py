@@ -82,6 +82,7 @@ from dsec.edge.qos import (
     QosView,
     Relief,
     node_qos,
+    qos_policy_text,
     read_psi,
 )
 from dsec.edge.usage import CpuUsage, OpTimings
@@ -468,6 +469,19 @@ class EdgeNode:
         return self
 
     # ================================================================ qos (issue 22)
+    def qos_policy(self) -> dict[str, str]:
+        """The QoS policies this node applies, for node info (dsec.edge.qos.qos_policy_text):
+        each backend's CPU pinning and I/O limits (a backend with a ``qos_policy()``),
+        the memory-pressure relief and the best-effort-only projects."""
+        out: dict[str, str] = {}
+        for b in self.backends.values():
+            fn = getattr(b, "qos_policy", None)
+            if callable(fn):
+                out.update(fn())
+        out.update(qos_policy_text(None, {}, pressure=self.config.memory_pressure,
+                                   be_only=self.config.qos_be_only))
+        return out
+
     def _qos_views(self) -> builtins.list[QosView]:
         """What the pressure policy weighs: a sandbox with an operation in flight counts
         as active now; resident memory is estimated by its memory_bytes reservation."""

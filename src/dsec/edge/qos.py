@@ -42,7 +42,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Final, Literal
 
@@ -75,6 +75,7 @@ __all__ = [
     "parse_psi",
     "plan_relief",
     "qos_features",
+    "qos_policy_text",
     "qos_process",
     "qos_writes",
     "read_psi",
@@ -554,3 +555,41 @@ class PressureDriver:
             self.paused.append(sid)
             self.notify(sid, relief.reason)
         return relief
+
+
+# ------------------------------------------------------------------ node info
+def qos_policy_text(cpus: ClassCpus | None, io: Mapping[QosClass, IoLimits],
+                    io_device: str = "", pressure: PressurePolicy | None = None,
+                    be_only: tuple[str, ...] = ()) -> dict[str, str]:
+    """The QoS policies a node applies, as node info reports them (pure): ``cpus.ls`` /
+    ``cpus.be`` (the CPU list a class is pinned to; absent: every CPU), ``io.ls`` /
+    ``io.be`` (``rbps=N,wbps=N,riops=N,wiops=N``, bytes or ops per second, the limits
+    set) with ``io.device`` (``major:minor`` of the sandbox disk they apply on),
+    ``pressure`` (the PSI thresholds and relief of :class:`PressurePolicy`; absent: off)
+    and ``be_only`` (projects run best-effort only, comma-separated)."""
+    out: dict[str, str] = {}
+    classes: tuple[QosClass, ...] = ("ls", "be")
+    if cpus is not None:
+        for cls in classes:
+            cl = cpus.of(cls)
+            if cl is not None:
+                out[f"cpus.{cls}"] = cl
+    for cls in classes:
+        lim = io.get(cls)
+        if lim is None:
+            continue
+        parts = [f"{k}={v}" for k in ("rbps", "wbps", "riops", "wiops")
+                 if (v := getattr(lim, k)) is not None]
+        if parts:
+            out[f"io.{cls}"] = ",".join(parts)
+    if io_device and any(k.startswith("io.") for k in out):
+        out["io.device"] = io_device
+    if pressure is not None:
+        out["pressure"] = (f"some_avg10>={pressure.some_avg10_pct:g}%,"
+                           f"full_avg10>={pressure.full_avg10_pct:g}%,"
+                           f"relieve={pressure.relieve_bytes},"
+                           f"max_per_round={pressure.max_per_round},"
+                           f"min_idle_s={pressure.min_idle_s:g}")
+    if be_only:
+        out["be_only"] = ",".join(be_only)
+    return out

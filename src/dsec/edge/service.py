@@ -103,7 +103,8 @@ class EdgeHandlers:
         return NodeInfo(node=n.node_id, backends=sorted(n.backends),
                         capacity=n.pool.capacity.as_resources(), labels=dict(n.config.labels),
                         methods=list(self._methods), physical=n.pool.capacity.physical,
-                        protocol=EDGE_PROTOCOL, qos=qos_features())
+                        protocol=EDGE_PROTOCOL, qos=qos_features(),
+                        qos_policy=n.qos_policy())
 
     def heartbeat(self, b: HeartbeatRequest) -> Heartbeat:
         return self.node.heartbeat(include_sandboxes=b.include_sandboxes,

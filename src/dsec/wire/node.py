@@ -197,6 +197,9 @@ class NodeInfo(msgspec.Struct, kw_only=True):
     # core_sched (CONFIG_SCHED_CORE), cpu_idle (cgroup cpu.idle), psi (memory pressure),
     # io_weight (a disk whose scheduler honours weights)
     qos: dict[str, bool] = {}
+    # The QoS policies the node applies (dsec.edge.qos.qos_policy_text): cpus.ls/cpus.be
+    # (pinning), io.ls/io.be + io.device (block I/O limits), pressure, be_only; {}: none
+    qos_policy: dict[str, str] = {}
 
 
 def labels_match(have: Mapping[str, str], want: Mapping[str, str]) -> bool:

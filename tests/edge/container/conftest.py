@@ -49,6 +49,8 @@ async def _cleanup(b: ContainerBackend) -> None:
     gov.remove_base()
     if os.path.ismount(b.disk.path):  # sandboxes left for adoption keep the disk pool
         umount2(b.disk.path, MNT_DETACH)
+    if b.shared_scratch and os.path.ismount(b.shared_scratch):   # ... and the scratch
+        umount2(b.shared_scratch, MNT_DETACH)
     # The pool image is preallocated (2 GiB in the suite): a test's leftover would hold
     # real disk until pytest's temp dirs rotate out.
     with contextlib.suppress(FileNotFoundError):

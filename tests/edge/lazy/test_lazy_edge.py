@@ -70,9 +70,10 @@ def _stop(proc: subprocess.Popen[bytes], tmp: str) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-    pool = os.path.join(tmp, "s", "container", "pool")
-    if os.path.ismount(pool):
-        umount2(pool, MNT_DETACH)
+    for sub in ("pool", "scratch"):   # (+ the shared scratch tmpfs, issue 22)
+        pool = os.path.join(tmp, "s", "container", sub)
+        if os.path.ismount(pool):
+            umount2(pool, MNT_DETACH)
 
 
 @pytest.mark.serial  # compares the host's fuse.dsec mounts before/after: another test's edge beside it adds some

@@ -62,7 +62,11 @@ from dsec.edge.backends.container.census import (
 )
 from dsec.edge.backends.container.density import (
     SUPERBLOCKS_PER_SANDBOX,
+    make_scratch_dir,
+    mount_shared_scratch,
     mount_shared_sysfs,
+    release_shared_scratch,
+    remove_scratch_dir,
     uncharged_bytes,
     unmount_shared_sysfs,
 )
@@ -105,6 +109,7 @@ from dsec.edge.qos import (
     parse_class_cpus,
     parse_class_io,
     parse_cpulist,
+    qos_policy_text,
     qos_process,
 )
 from dsec.edge.usage import net_bytes
@@ -229,6 +234,8 @@ class ContainerBackend:
                  qos_cpus: str | None = None,
                  qos_io: str | None = None,
                  shared_sysfs: bool | str = True,
+                 shared_scratch: bool | str = True,
+                 lazy_devpts: bool | str = False,
                  helper_idle_s: float | None = 60.0,
                  clock: Callable[[], float] = time.time) -> None:
         """``max_sandbox_pids``: the most tasks one sandbox may have; a spec asking for more
@@ -281,6 +288,16 @@ class ContainerBackend:
         read-only sysfs of an empty network namespace at /sys instead of their own - one
         superblock less per sandbox (:func:`.density.mount_shared_sysfs` says what they
         see); False: each its own, as before.
+        ``shared_scratch``: every sandbox's /dev, /dev/shm and /tmp are a directory of the
+        node's one scratch tmpfs (native driver; :func:`.density.mount_shared_scratch`
+        says what is shared and what is not) instead of a tmpfs of its own - one
+        superblock less per sandbox; False: each its own, as before.
+        ``lazy_devpts``: a sandbox gets its devpts instance (its terminals) only when
+        the edge first runs a command on a terminal (pty exec, ``dsec sandbox shell``),
+        not at create - one superblock less per sandbox that never asks for one. The
+        trade (why it is off by default): until then a program inside that opens a
+        terminal itself (openpty, ``script``, tmux, pexpect, sudo's use_pty) gets ENOENT
+        on /dev/ptmx. User-namespace sandboxes always get theirs at create.
         ``helper_idle_s``: an exec helper unused this long is stopped (checked by the
         limits timer, so within ``limits_poll_s`` more); the sandbox's next exec starts a
         new one. None: helpers stay while their sandbox lives.
@@ -361,6 +378,19 @@ class ContainerBackend:
             #: the node's shared sysfs, bound at loopback-only sandboxes' /sys ("": none)
             self.shared_sysfs = mount_shared_sysfs(os.path.join(self.root_dir, "sysfs")) \
                 if shared_sysfs and runtime == "native" else ""
+            if isinstance(shared_scratch, str):
+                shared_scratch = shared_scratch.strip().lower() not in ("", "0", "false",
+                                                                        "no", "off")
+            #: the node's one scratch tmpfs holding every sandbox's /dev and /tmp ("": a
+            #: tmpfs each). Kept mounted while any sandbox dir is in it (adopt after a
+            #: restart finds and removes them through it).
+            self.shared_scratch = mount_shared_scratch(os.path.join(self.root_dir, "scratch")) \
+                if shared_scratch and runtime == "native" else ""
+            if isinstance(lazy_devpts, str):
+                lazy_devpts = lazy_devpts.strip().lower() not in ("", "0", "false", "no",
+                                                                  "off")
+            #: devpts mounted by the first pty exec, not at create (native driver)
+            self.lazy_devpts = bool(lazy_devpts) and runtime == "native"
             self._notices = NoticeLimiter(notice_interval_s)
             # Denied packets (plan-14 §4.7): the slots' counters are read every
             # ``denied_poll_s`` (one netlink dump, 0.28 ms for 1,000 slots), a
@@ -458,6 +488,9 @@ class ContainerBackend:
         if getattr(self, "shared_sysfs", ""):
             with contextlib.suppress(Exception):
                 unmount_shared_sysfs(self.shared_sysfs)
+        if getattr(self, "shared_scratch", ""):
+            with contextlib.suppress(Exception):
+                release_shared_scratch(self.shared_scratch)
         for attr in ("_devnull", "_lock_fd"):
             fd = getattr(self, attr, -1)
             if fd >= 0:
@@ -725,6 +758,10 @@ class ContainerBackend:
         if owner:
             os.chown(etc, owner, owner)
 
+    def qos_policy(self) -> dict[str, str]:
+        """This backend's QoS pinning and I/O limits, for node info (issue 22)."""
+        return qos_policy_text(self.qos_cpus, self.qos_io, self.io_device)
+
     def _record(self, box: Box) -> BoxRecord:
         return BoxRecord(sid=box.sid, runtime=self.runtime, spec=box.spec,
                          init_pid=box.init_pid,
@@ -745,7 +782,10 @@ class ContainerBackend:
                      userns=self.userns_range if box.spec.user_namespace else None,
                      netns=box.netns_fd >= 0,
                      # a slot's netns has interfaces of its own: its sysfs shows them
-                     sysfs="" if box.netns_fd >= 0 else self.shared_sysfs)
+                     sysfs="" if box.netns_fd >= 0 else self.shared_sysfs,
+                     scratch=make_scratch_dir(self.shared_scratch, box.sid)
+                     if self.shared_scratch else "",
+                     lazy_pts=self.lazy_devpts and not box.spec.user_namespace)
 
         def on_reply(reply: Reply, fds: list[int]) -> None:
             if fut.done():   # after Created: the init's exit (Exited) or the zygote's death
@@ -1325,6 +1365,13 @@ class ContainerBackend:
             await self._wait_exit(box)
         if self._runc is not None:  # the container is stopped now: runc signals nothing
             await self._runc.destroy(sid, d)
+        if self.shared_scratch:
+            # before the cgroup goes: its /dev and /tmp pages are uncharged from a live
+            # memcg (no offline memcg kept by them); its processes are dead (the init's
+            # pid namespace took them) or killed above
+            left = await asyncio.to_thread(remove_scratch_dir, self.shared_scratch, sid)
+            if left:
+                errors.append(left)
         cgroup_gone = True
         try:
             await self._remove_cgroup(cg)
@@ -1482,6 +1529,10 @@ class ContainerBackend:
             # it (their /sys/class/net reads empty once its namespace goes); the next
             # backend mounts a new one.
             unmount_shared_sysfs(self.shared_sysfs)
+        if self.shared_scratch and idle:
+            # only empty: a sandbox left for adopt() has its /dev and /tmp files here,
+            # removed through this path when it is destroyed (a second close: nothing)
+            release_shared_scratch(self.shared_scratch)
         await self._settled()
         self._snapshots.close()
         self.disk.close()
@@ -1569,6 +1620,10 @@ class ContainerBackend:
             # after the kill: `delete --force` of a running container signals its init by
             # pid number; of a stopped one it only removes state, cgroups and the rootfs
             await self._runc.destroy(sid, d)
+        if self.shared_scratch and sid in census.scratch:
+            left = await asyncio.to_thread(remove_scratch_dir, self.shared_scratch, sid)
+            if left:
+                errors.append(left)
         try:
             await remove_cgroup_dirs(cg_dirs)
         except OSError as exc:
@@ -2276,7 +2331,10 @@ class ContainerBackend:
                             memory_host_bytes=mem + uncharged_bytes(
                                 self._peak_boxes,
                                 SUPERBLOCKS_PER_SANDBOX
-                                - (1 if self.shared_sysfs and box.netns_fd < 0 else 0)),
+                                - (1 if self.shared_sysfs and box.netns_fd < 0 else 0)
+                                - (1 if self.shared_scratch else 0)
+                                - (1 if self.lazy_devpts and not box.spec.user_namespace
+                                   else 0)),
                             qos=qos_of(box.spec), memory_rss_bytes=held.rss,
                             memory_cache_bytes=held.cache, memory_shm_bytes=held.shm)
 

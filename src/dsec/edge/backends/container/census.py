@@ -78,11 +78,12 @@ class Census:
     runc: frozenset[str] = frozenset()                     # <root_dir>/runc-state/<sid>
     disk: frozenset[str] = frozenset()                     # <root_dir>/pool/<sid>
     pool_mounted: bool = False   # the backend-wide disk pool (kept while sandboxes live)
+    scratch: frozenset[str] = frozenset()  # <root_dir>/scratch/<sid> (shared scratch tmpfs)
 
     def sandboxes(self) -> set[str]:
         """Every sandbox id with any trace on the host."""
         return (set(self.dirs) | set(self.cgroups) | set(self.mounts) | set(self.runc)
-                | set(self.disk))
+                | set(self.disk) | set(self.scratch))
 
     def describe(self, sid: str) -> str:
         """What the host holds for ``sid``, in words (for events and logs)."""
@@ -99,6 +100,8 @@ class Census:
             parts.append(f"{len(self.mounts[sid])} mount(s)")
         if sid in self.runc:
             parts.append("runc state")
+        if sid in self.scratch:
+            parts.append("/dev and /tmp in the shared scratch")
         return ", ".join(parts) or "nothing"
 
     def counts(self) -> dict[str, int]:
@@ -108,6 +111,7 @@ class Census:
                 "tasks": sum(len(v) for v in self.tasks.values()),
                 "mounts": sum(len(v) for v in self.mounts.values()),
                 "runc": len(self.runc), "disk": len(self.disk),
+                "scratch": len(self.scratch),
                 "pool_mounts": int(self.pool_mounted)}
 
 
@@ -420,16 +424,21 @@ def take_census(root_dir: str, cgroup_name: str, *, only: str | None = None) -> 
     sb = os.path.join(root_dir, "sb")
     runc_root = os.path.join(root_dir, "runc-state")
     pool = os.path.join(root_dir, "pool")
+    scratch_dir = os.path.join(root_dir, "scratch")
     if only is not None:
         if not only or "/" in only or only.startswith("."):
             return Census()
         dirs = frozenset([only] if os.path.isdir(os.path.join(sb, only)) else [])
         runc = frozenset([only] if os.path.isdir(os.path.join(runc_root, only)) else [])
         disk = frozenset([only] if os.path.isdir(os.path.join(pool, only)) else [])
+        scratch = frozenset([only] if os.path.ismount(scratch_dir) and os.path.isdir(
+            os.path.join(scratch_dir, only)) else [])
     else:
         dirs = frozenset(_subdirs(sb))
         runc = frozenset(n for n in _subdirs(runc_root) if not n.startswith("."))
         disk = frozenset(n for n in _subdirs(pool) if not n.startswith("."))
+        scratch = frozenset(_subdirs(scratch_dir)) if os.path.ismount(scratch_dir) \
+            else frozenset()
     cgroups: dict[str, list[str]] = {}
     tasks: dict[str, set[int]] = {}
     parents = set(cgroup_parents(cgroup_name)) | set(recorded_parents(root_dir, cgroup_name))
@@ -451,7 +460,7 @@ def take_census(root_dir: str, cgroup_name: str, *, only: str | None = None) -> 
     return Census(dirs=dirs, cgroups={k: tuple(v) for k, v in cgroups.items()},
                   tasks={k: tuple(sorted(v)) for k, v in tasks.items()},
                   mounts={k: tuple(v) for k, v in mounts.items()}, runc=runc, disk=disk,
-                  pool_mounted=os.path.ismount(pool))
+                  pool_mounted=os.path.ismount(pool), scratch=scratch)
 
 
 def _listed(cgroup_dir: str) -> set[int]:

@@ -24,13 +24,16 @@ import subprocess
 
 from dsec.edge.backends.container import linux
 from dsec.errors import BackendError
+from dsec.rmtree import remove_tree
 
-__all__ = ["SUPERBLOCKS_PER_SANDBOX", "mount_shared_sysfs", "uncharged_bytes",
-           "unmount_shared_sysfs"]
+__all__ = ["SUPERBLOCKS_PER_SANDBOX", "make_scratch_dir", "mount_shared_scratch",
+           "mount_shared_sysfs", "release_shared_scratch", "remove_scratch_dir", "scratch_dirs", "uncharged_bytes",
+           "unmount_shared_scratch", "unmount_shared_sysfs"]
 
 #: overlay root, the scratch tmpfs (/dev, /dev/shm, /tmp, masks), devpts, sysfs, proc and
 #: the mqueue superblock of its ipc namespace (native driver; 9 before issue 22; 5 with
-#: the shared sysfs, :func:`mount_shared_sysfs`)
+#: the shared sysfs, :func:`mount_shared_sysfs`; 4 with the shared scratch too,
+#: :func:`mount_shared_scratch`)
 SUPERBLOCKS_PER_SANDBOX = 6
 #: struct mem_cgroup + per-node info + per-cpu stats, outside the shrinker map (estimate)
 _MEMCG_BASE = 16 << 10
@@ -98,3 +101,100 @@ def unmount_shared_sysfs(path: str) -> None:
             remove(path if remove is os.rmdir else path + ".netns")
         except OSError:
             pass
+
+
+#: MS_PRIVATE: the node's scratch mount propagates nowhere (and receives nothing)
+_MS_PRIVATE = 1 << 18
+
+
+def mount_shared_scratch(path: str) -> str:
+    """Mount the node's one scratch tmpfs at ``path`` (made 0700 if missing; kept if
+    mounted already, e.g. by a killed edge of the same root, whose sandboxes' dirs are
+    in it) and return ``path``.
+
+    Each sandbox's /dev, /dev/shm and /tmp were a tmpfs of its own: one superblock per
+    sandbox, and every superblock costs every memory cgroup on the host a shrinker slot
+    (docs/container.md, Density). Now each sandbox gets a directory here
+    (:func:`make_scratch_dir`) whose ``dev/`` and ``tmp/`` the helper binds into it
+    (``nsexec.c`` ``F_SCRATCH``); nothing above those two is reachable from inside.
+    ``size=0,nr_inodes=0``: no node-wide byte or inode cap that one sandbox could exhaust
+    for the others - a sandbox's pages, inodes and dentries there are charged to its own
+    memory cgroup (the writer's), so its memory limit is the bound, as it was (the old
+    per-sandbox size was 64 MiB + 64 KiB + the memory limit, never reached first); and
+    ``statfs`` of it reports no size or usage, so no sandbox reads the others' totals
+    from ``df /tmp``. nosuid,nodev,noexec here; the sandbox's binds set their own flags."""
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    if os.path.ismount(path):
+        return path
+    try:
+        linux.mount("tmpfs", path, "tmpfs", linux.MS_NOSUID | linux.MS_NODEV | linux.MS_NOEXEC,
+                    "mode=0700,size=0,nr_inodes=0")
+        linux.mount(None, path, None, _MS_PRIVATE)
+    except OSError as exc:
+        raise BackendError(f"cannot mount the shared scratch tmpfs at {path}: {exc}; set "
+                           "shared_scratch=False to give each sandbox a tmpfs of its own"
+                           ) from exc
+    return path
+
+
+def unmount_shared_scratch(path: str) -> None:
+    """Detach the shared scratch tmpfs (call only with no sandbox dir left in it: a
+    running sandbox keeps its binds, but its files could then no longer be removed
+    through ``path``)."""
+    if os.path.ismount(path):
+        linux.umount2(path, linux.MNT_DETACH)
+    try:
+        os.rmdir(path)
+    except OSError:
+        pass
+
+
+def release_shared_scratch(path: str) -> bool:
+    """Unmount the shared scratch at ``path`` if it holds no sandbox dir (a backend's
+    close; again after an earlier close: nothing). True if it is gone."""
+    if not path or not os.path.ismount(path):
+        return True
+    try:
+        if os.listdir(path):
+            return False    # sandboxes left for adopt(): their files are removed through it
+    except OSError:
+        return False
+    unmount_shared_scratch(path)
+    return True
+
+
+def scratch_dirs(path: str) -> list[str]:
+    """The sandbox ids with a directory in the shared scratch at ``path`` (the census)."""
+    if not path or not os.path.ismount(path):
+        return []
+    try:
+        return [e.name for e in os.scandir(path) if e.is_dir(follow_symlinks=False)]
+    except OSError:
+        return []
+
+
+def make_scratch_dir(path: str, sid: str) -> str:
+    """A fresh empty 0700 directory for sandbox ``sid`` in the shared scratch (a leftover
+    of the same id - a crashed create - is removed first). Returns its path."""
+    if not os.path.ismount(path):
+        # unmounted under a running edge: the dir would land on the host's disk (the
+        # sandbox's /tmp silently on the root filesystem); refuse instead
+        raise BackendError(f"the shared scratch tmpfs at {path} is not mounted (unmounted "
+                           "under a running edge?); restart the edge to mount it again, or "
+                           "set shared_scratch=False")
+    d = os.path.join(path, sid)
+    if os.path.lexists(d):
+        remove_scratch_dir(path, sid)
+    os.mkdir(d, 0o700)
+    return d
+
+
+def remove_scratch_dir(path: str, sid: str) -> str:
+    """Remove sandbox ``sid``'s directory of the shared scratch (its /dev and /tmp
+    files: memory charged to its cgroup until then). Returns what could not go ("": all
+    of it). Never crosses a mount point; the sandbox's processes must be dead."""
+    d = os.path.join(path, sid)
+    if not os.path.lexists(d):
+        return ""
+    res = remove_tree(d)
+    return "" if res.clean else f"remove {d}: {res.describe()}"

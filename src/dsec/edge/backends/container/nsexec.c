@@ -66,6 +66,8 @@
 #include <poll.h>
 #include <signal.h>
 #include <sys/epoll.h>
+#include <sys/file.h>
+#include <sys/vfs.h>
 #include <sys/ioctl.h>
 #include <stdint.h>
 #include <sys/mount.h>
@@ -94,6 +96,9 @@ static int status_fd = -1;   /* where failures are reported (create) */
 static int userns_req = 0;   /* F_USERNS on the request being served (inherited by fork) */
 static int netns_req = 0;    /* F_NETNS: join the passed netns instead of a new one */
 static int sysfs_req = 0;    /* F_SYSFS: bind the node's shared sysfs (last argv) at /sys */
+static int lazypts_req = 0;  /* F_LAZYPTS: no devpts at create; the first pty exec mounts it */
+static int scratch_req = 0;  /* F_SCRATCH: the sandbox's dir of the node's shared scratch
+                              * tmpfs (last argv) holds its /dev and /tmp */
 static int exec_mode = 0;
 static int pty_req = 0;      /* F_PTY on the request being served */
 static unsigned short pty_cols = 80, pty_rows = 24;
@@ -492,7 +497,57 @@ static int do_exec(int argc, char **argv) {
  * (TIOCSWINSZ: the kernel signals SIGWINCH to the foreground group). The slave is opened
  * from the master (TIOCGPTPEER: no path lookup in /dev/pts, which the sandbox owns), and
  * the master must be the real multiplexer (char 5:2), else nothing is sent. */
+#ifndef DEVPTS_SUPER_MAGIC
+#define DEVPTS_SUPER_MAGIC 0x1cd1
+#endif
+#ifndef TMPFS_MAGIC
+#define TMPFS_MAGIC 0x01021994
+#endif
+/* F_LAZYPTS sandboxes (ContainerBackend lazy_devpts) get no devpts instance at create -
+ * one superblock less per sandbox, and every superblock costs every memory cgroup a
+ * shrinker slot (docs/container.md, Density) - so the first pty exec mounts the
+ * sandbox's own instance here, in its mount namespace, still with every capability (not
+ * for user-namespace sandboxes: those get theirs at create). /dev/pts is the sandbox's
+ * to change: it is opened without following a symlink and must be a directory of its
+ * scratch tmpfs (else refused), the mount goes onto that opened directory (move_mount
+ * by fd, no second path walk), and a lock on it serialises concurrent first pty execs
+ * (the loser finds the devpts and uses it). */
+static void ensure_devpts(void) {
+    int d = open("/dev/pts", O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+    if (d < 0) die(126, "open /dev/pts");
+    struct statfs sf;
+    if (fstatfs(d, &sf) < 0) die(126, "statfs /dev/pts");
+    if (sf.f_type == DEVPTS_SUPER_MAGIC) { close(d); return; }
+    if (flock(d, LOCK_EX) < 0) die(126, "lock /dev/pts");
+    int cur = open("/dev/pts", O_PATH | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+    if (cur < 0) die(126, "open /dev/pts");
+    if (fstatfs(cur, &sf) < 0) die(126, "statfs /dev/pts");
+    if (sf.f_type != DEVPTS_SUPER_MAGIC) {
+        if (sf.f_type != TMPFS_MAGIC) {
+            errno = EPERM;
+            die(126, "/dev/pts is not a directory of the sandbox's /dev");
+        }
+        int fs = (int)syscall(SYS_fsopen, "devpts", FSOPEN_CLOEXEC);
+        if (fs < 0) die(126, "fsopen devpts");
+        if (syscall(SYS_fsconfig, fs, FSCONFIG_SET_STRING, "ptmxmode", "0666", 0) < 0 ||
+            syscall(SYS_fsconfig, fs, FSCONFIG_SET_STRING, "mode", "0620", 0) < 0 ||
+            syscall(SYS_fsconfig, fs, FSCONFIG_CMD_CREATE, NULL, NULL, 0) < 0)
+            die(126, "fsconfig devpts");
+        int mnt = (int)syscall(SYS_fsmount, fs, FSMOUNT_CLOEXEC,
+                               MOUNT_ATTR_NOSUID | MOUNT_ATTR_NOEXEC);
+        if (mnt < 0) die(126, "fsmount devpts");
+        close(fs);
+        if (syscall(SYS_move_mount, mnt, "", cur, "",
+                    MOVE_MOUNT_F_EMPTY_PATH | MOVE_MOUNT_T_EMPTY_PATH) < 0)
+            die(126, "move_mount devpts at /dev/pts");
+        close(mnt);
+    }
+    close(cur);
+    close(d);   /* releases the lock */
+}
+
 static void setup_pty(uid_t uid, gid_t gid, int chown_it) {
+    ensure_devpts();   /* a no-op (one statfs) once /dev/pts is a devpts */
     int m = open("/dev/pts/ptmx", O_RDWR | O_NOCTTY | O_CLOEXEC);
     if (m < 0) die(126, "open /dev/pts/ptmx");
     struct stat st;
@@ -896,7 +951,8 @@ static void mount_overlay(int nlower, char **lowers, const char *upper, const ch
 /* The part of the root the intermediate builds: everything that does not depend on the
  * pid namespace (overlay, /dev, /tmp, /sys - sysfs follows the network namespace). */
 static void build_root_outer(int nlower, char **lowers, const char *upper, const char *work,
-                             long long tmp_bytes, int userns_fd, const char *sysfs_src) {
+                             long long tmp_bytes, int userns_fd, const char *sysfs_src,
+                             const char *scratch_src) {
     char p[8192], opts[256];
     xmount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL);
     mount_overlay(nlower, lowers, upper, work, userns_fd);
@@ -917,17 +973,31 @@ static void build_root_outer(int nlower, char **lowers, const char *upper, const
     {
         char tmp[4200];
         snprintf(tmp, sizeof tmp, "%s/tmp", root_path);
-        int fs = (int)syscall(SYS_fsopen, "tmpfs", FSOPEN_CLOEXEC);
-        if (fs < 0) die(1, "fsopen tmpfs");
-        snprintf(opts, sizeof opts, "%lld", (long long)DSEC_SHM_BYTES + (64 << 10) + tmp_bytes);
-        if (syscall(SYS_fsconfig, fs, FSCONFIG_SET_STRING, "source", "tmpfs", 0) < 0 ||
-            syscall(SYS_fsconfig, fs, FSCONFIG_SET_STRING, "size", opts, 0) < 0 ||
-            syscall(SYS_fsconfig, fs, FSCONFIG_SET_STRING, "mode", "755", 0) < 0 ||
-            syscall(SYS_fsconfig, fs, FSCONFIG_CMD_CREATE, NULL, NULL, 0) < 0)
-            die(1, "fsconfig tmpfs size=%s", opts);
-        int scratch = (int)syscall(SYS_fsmount, fs, FSMOUNT_CLOEXEC, MOUNT_ATTR_NOSUID);
-        if (scratch < 0) die(1, "fsmount tmpfs");
-        close(fs);
+        int scratch;
+        if (scratch_src) {
+            /* F_SCRATCH: this sandbox's empty directory (made 0700 by the edge) of the
+             * node's ONE scratch tmpfs, instead of a tmpfs of its own - one superblock
+             * less per sandbox (docs/container.md, Density: "shared scratch"). Only its
+             * dev/ and tmp/ are attached below, so nothing above them is reachable;
+             * the bytes are charged to this sandbox's memory cgroup as before (the
+             * writer's), and the shared tmpfs has no size or inode cap another sandbox
+             * could exhaust (the memory limit is the bound). */
+            scratch = open(scratch_src, O_PATH | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+            if (scratch < 0) die(1, "open the shared scratch dir %s", scratch_src);
+        } else {
+            int fs = (int)syscall(SYS_fsopen, "tmpfs", FSOPEN_CLOEXEC);
+            if (fs < 0) die(1, "fsopen tmpfs");
+            snprintf(opts, sizeof opts, "%lld",
+                     (long long)DSEC_SHM_BYTES + (64 << 10) + tmp_bytes);
+            if (syscall(SYS_fsconfig, fs, FSCONFIG_SET_STRING, "source", "tmpfs", 0) < 0 ||
+                syscall(SYS_fsconfig, fs, FSCONFIG_SET_STRING, "size", opts, 0) < 0 ||
+                syscall(SYS_fsconfig, fs, FSCONFIG_SET_STRING, "mode", "755", 0) < 0 ||
+                syscall(SYS_fsconfig, fs, FSCONFIG_CMD_CREATE, NULL, NULL, 0) < 0)
+                die(1, "fsconfig tmpfs size=%s", opts);
+            scratch = (int)syscall(SYS_fsmount, fs, FSMOUNT_CLOEXEC, MOUNT_ATTR_NOSUID);
+            if (scratch < 0) die(1, "fsmount tmpfs");
+            close(fs);
+        }
         if (mkdirat(scratch, "dev", 0755) < 0 || fchmodat(scratch, "dev", 0755, 0) < 0 ||
             mkdirat(scratch, "tmp", 01777) < 0 || fchmodat(scratch, "tmp", 01777, 0) < 0)
             die(1, "mkdir in the scratch tmpfs");
@@ -953,7 +1023,9 @@ static void build_root_outer(int nlower, char **lowers, const char *upper, const
     }
     snprintf(p, sizeof p, "%s/pts", dev);
     xmkdir(p, 0755);
-    xmount("devpts", p, "devpts", MS_NOSUID | MS_NOEXEC, "newinstance,ptmxmode=0666,mode=0620");
+    if (!lazypts_req)   /* F_LAZYPTS: the first pty exec mounts it (ensure_devpts) */
+        xmount("devpts", p, "devpts", MS_NOSUID | MS_NOEXEC,
+               "newinstance,ptmxmode=0666,mode=0620");
     snprintf(p, sizeof p, "%s/ptmx", dev);
     if (symlink("pts/ptmx", p) < 0) die(1, "symlink %s", p);
     snprintf(p, sizeof p, "%s/shm", dev);
@@ -1048,7 +1120,8 @@ static int create_init(void *arg);
 
 static int do_create(int argc, char **argv) {
     /* argv: create root nlower lower... upper work hostname loopback tmp_bytes ncg cg...
-     *       [uid_base uid_count: with F_USERNS] [shared sysfs path: with F_SYSFS] */
+     *       [uid_base uid_count: with F_USERNS] [shared sysfs path: with F_SYSFS]
+     *       [this sandbox's shared scratch dir: with F_SCRATCH] */
     status_fd = FD_STATUS_CREATE;
     fcntl(status_fd, F_SETFD, FD_CLOEXEC);
     syscall(SYS_close_range, FD_REPORT + 1, ~0U, 0);
@@ -1063,11 +1136,13 @@ static int do_create(int argc, char **argv) {
     int loopback = atoi(argv[i++]);
     long long tmp_bytes = atoll(argv[i++]);
     int ncg = atoi(argv[i++]);
-    if (ncg < 0 || i + ncg + (userns_req ? 2 : 0) + (sysfs_req ? 1 : 0) != argc) {
+    if (ncg < 0 || i + ncg + (userns_req ? 2 : 0) + (sysfs_req ? 1 : 0)
+            + (scratch_req ? 1 : 0) != argc) {
         errno = EINVAL;
         die(1, "usage");
     }
-    const char *sysfs_src = sysfs_req ? argv[argc - 1] : NULL;
+    const char *scratch_src = scratch_req ? argv[argc - 1] : NULL;
+    const char *sysfs_src = sysfs_req ? argv[argc - 1 - (scratch_req ? 1 : 0)] : NULL;
     char **cgs = &argv[i];
     i += ncg;
     /* Intermediate (host pid namespace): cgroups, then every namespace but pid. */
@@ -1094,7 +1169,8 @@ static int do_create(int argc, char **argv) {
     }
     if (unshare(unshared) < 0) die(1, "unshare(0x%x)", unshared);
     umask(0);
-    build_root_outer(nlower, lowers, upper, work, tmp_bytes, userns_fd, sysfs_src);
+    build_root_outer(nlower, lowers, upper, work, tmp_bytes, userns_fd, sysfs_src,
+                     scratch_src);
     if (sethostname(hostname, strnlen(hostname, 64)) < 0) die(1, "sethostname");
     if (loopback) loopback_up();
     if (unshare(CLONE_NEWPID) < 0) die(1, "unshare(CLONE_NEWPID)");
@@ -1151,7 +1227,8 @@ enum { REP_CREATED = 1, REP_STARTED = 2, REP_EXITED = 3, REP_FAILED = 4, REP_RUN
  * terminal of its own inside the sandbox (setup_pty); its size rides in the flags' top
  * bits: cols in 12..21, rows in 22..31. */
 enum { F_BACKGROUND = 1, F_NESTED = 2, F_USERNS = 4, F_NETNS = 8, F_HELPER = 16,
-       F_TRACK = 32, F_PTY = 64, F_SYSFS = 128 };
+       F_TRACK = 32, F_PTY = 64, F_SYSFS = 128,
+       F_SCRATCH = 256, F_LAZYPTS = 512 };
 struct req_hdr { uint32_t type, flags; uint64_t id; };
 struct rep_hdr { uint32_t type; int32_t pid; uint64_t id; int32_t ns_pid, status, err; uint32_t len; };
 
@@ -1708,6 +1785,8 @@ static void handle(char *data, size_t len, int *fds, int nfds) {
     userns_req = (h.flags & F_USERNS) != 0;
     netns_req = (h.flags & F_NETNS) != 0;
     sysfs_req = (h.flags & F_SYSFS) != 0;
+    scratch_req = (h.flags & F_SCRATCH) != 0;
+    lazypts_req = (h.flags & F_LAZYPTS) != 0;
     pty_req = (h.flags & F_PTY) != 0;
     pty_cols = (unsigned short)((h.flags >> 12) & 1023);
     pty_rows = (unsigned short)((h.flags >> 22) & 1023);

@@ -62,6 +62,15 @@ class Create(msgspec.Struct, tag="create", frozen=True):
     #: /sys instead of a sysfs of the sandbox's own: one superblock less per sandbox
     #: (docs/container.md, Density). "": its own sysfs.
     sysfs: str = ""
+    #: this sandbox's own empty directory (mode 0700) of the node's one scratch tmpfs:
+    #: its dev/ and tmp/ become the sandbox's /dev, /dev/shm and /tmp instead of a tmpfs
+    #: of its own - one superblock less per sandbox (docs/container.md, Density). "":
+    #: a tmpfs of its own.
+    scratch: str = ""
+    #: no devpts instance at create: the first pty exec mounts the sandbox's own
+    #: (nsexec.c ensure_devpts) - one superblock less per sandbox that never asks for a
+    #: terminal; never with ``userns`` (its root may not mount then)
+    lazy_pts: bool = False
 
 
 class Exec(msgspec.Struct, tag="exec", frozen=True):
@@ -165,7 +174,7 @@ _REP = struct.Struct("=iiQiiiI")
 REQ_CREATE, REQ_EXEC, REQ_KILL, REQ_HELPER = 1, 2, 3, 4
 REP_CREATED, REP_STARTED, REP_EXITED, REP_FAILED, REP_RUNNING = 1, 2, 3, 4, 5
 F_BACKGROUND, F_NESTED, F_USERNS, F_NETNS, F_HELPER = 1, 2, 4, 8, 16
-F_TRACK, F_PTY, F_SYSFS = 32, 64, 128
+F_TRACK, F_PTY, F_SYSFS, F_SCRATCH, F_LAZYPTS = 32, 64, 128, 256, 512
 _PTY_MAX = 1023       # cols and rows ride in the flags' bits 12..21 and 22..31
 
 
@@ -190,7 +199,8 @@ def request_argv(req: Request) -> list[str]:
                 req.work, req.hostname, "1" if req.loopback else "0", str(req.tmp_bytes),
                 str(len(req.cgroup_procs)), *req.cgroup_procs,
                 *((str(req.userns[0]), str(req.userns[1])) if req.userns else ()),
-                *((req.sysfs,) if req.sysfs else ())]
+                *((req.sysfs,) if req.sysfs else ()),
+                *((req.scratch,) if req.scratch else ())]
     if isinstance(req, Helper):
         return ["helper", str(len(req.cgroup_procs)), *req.cgroup_procs]
     if isinstance(req, Exec):
@@ -209,7 +219,8 @@ def encode(req: Request) -> bytes:
     if isinstance(req, Create):
         kind = REQ_CREATE
         flags = (F_NESTED if req.nested else 0) | (F_USERNS if req.userns else 0) \
-            | (F_NETNS if req.netns else 0) | (F_SYSFS if req.sysfs else 0)
+            | (F_NETNS if req.netns else 0) | (F_SYSFS if req.sysfs else 0) \
+            | (F_SCRATCH if req.scratch else 0) | (F_LAZYPTS if req.lazy_pts else 0)
     elif isinstance(req, Exec):
         kind = REQ_EXEC
         flags = (F_NESTED if req.nested else 0) | (F_BACKGROUND if req.background else 0) \
