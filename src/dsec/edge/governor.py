@@ -341,8 +341,8 @@ def be_cpu_parent(cpu_base: str) -> str:
     as against an ordinary task. A ``cpu.idle=1`` group at the edge's own level is idle
     *there*: the edge's and LS sandboxes' wake-ups preempt BE work at once, and a CPU
     running only BE work counts as idle when the kernel places a waking task. Measured
-    (docs/container.md "QoS", interleaved windows, 50 % BE load, host load average ~7):
-    LS exec-step p99 1.42x of unloaded with BE beside LS, 0.98x with this parent."""
+    (docs/container.md "QoS", 50 % BE load, a host at load average 4-15): LS exec-step
+    p99 inflation 0.86-1.17x with this parent vs 0.90-1.42x with BE beside LS."""
     return cpu_base + BE_SUFFIX
 
 
