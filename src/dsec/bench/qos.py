@@ -184,8 +184,8 @@ async def _level(b: object, ls: list[str], load: float, rounds: int, k: int,
                 assert r.exit_code == 0, r
 
         async def inside(sid: str, w: _Window) -> None:
-            r = await b.exec(SandboxId(sid), ExecRequest(argv=[
-                "/bin/dsec-stepper", str(2 * k), str(STEPPER_WORK), str(STEPPER_THINK_US)]))
+            r = await b.exec(SandboxId(sid), ExecRequest(argv=(
+                "/bin/dsec-stepper", str(2 * k), str(STEPPER_WORK), str(STEPPER_THINK_US))))
             assert r.exit_code == 0, r
             w.inside_s += [int(x) / 1e6 for x in r.stdout.split()]
 

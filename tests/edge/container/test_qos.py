@@ -266,10 +266,10 @@ async def test_best_effort_cpu_cgroups_share_one_idle_parent_beside_the_edge(
         assert b.box(be).cg.dirs["cpu"] == mine
         assert b.box(ls).cg.dirs["cpu"] == os.path.join(base, ls)
         assert gov.paths(be).dirs["cpu"] == mine   # found without knowing the class
-        await b.exec(be, ExecRequest(argv=["sleep", "30"], background=True))   # zygote
+        await b.exec(be, ExecRequest(argv=("sleep", "30"), background=True))   # zygote
         assert (await b.exec(be, ExecRequest(shell="true"))).exit_code == 0
         await _helper_up(b, be)
-        await b.exec(be, ExecRequest(argv=["sleep", "30"], background=True))   # helper
+        await b.exec(be, ExecRequest(argv=("sleep", "30"), background=True))   # helper
         tasks = {int(p) for p in _read(os.path.join(b.box(be).cg.dirs["pids"],
                                                     "cgroup.procs")).split()}
         assert len(tasks) >= 4   # init, helper, two sleeps
