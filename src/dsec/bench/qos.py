@@ -25,7 +25,11 @@ alike, and the unloaded reference is measured between the loaded windows. Figure
   with QoS on / off (per level, and the 0.5 level without a ``be_load`` param as the
   headline);
 * ``qos_ls_step_p50_ms`` / ``qos_ls_step_p99_ms`` and ``qos_ls_inside_p50_ms`` /
-  ``qos_ls_inside_p99_ms`` per level and mode, ``qos_be_cpu_cores``.
+  ``qos_ls_inside_p99_ms`` per level and mode, ``qos_be_cpu_cores``;
+* with ``DSEC_BENCH_QOS_BESIDE=1`` (v1; a diagnostic, off by default: a fourth window
+  per round), ``qos_ls_p99_inflation_be_beside_ls``: QoS on but the BE sandboxes' cpu
+  cgroups moved beside the LS ones under the sandboxes' parent, the placement before the
+  idle parent - both placements measured in one run.
 
 **Memory half** (``qos_ls_p99_inflation_mem``, params ``qos``): the sandboxes' parent
 memory cgroup is capped (``mem_limit``, 512 MiB) so the experiment presses this edge's
@@ -164,15 +168,23 @@ async def _level(b: object, ls: list[str], load: float, rounds: int, k: int,
     assert isinstance(b, ContainerBackend)
     gov = b.governor
     sets: dict[str, list[SandboxId]] = {"none": [], "off": [], "on": []}
+    loaded = ["off", "on"]
+    beside: list[str] = []   # the diagnostic mode's cpu cgroups, removed at the end
+    if os.environ.get("DSEC_BENCH_QOS_BESIDE") == "1" and gov.layout.be_cpu:
+        sets["beside"] = []
+        loaded.append("beside")
     try:
-        for qos in (("off", "on") if load > 0 else ()):
+        for qos in (loaded if load > 0 else ()):
             for _ in range(cores):
                 sid = new_sandbox_id(NodeId("qos"))
                 await b.create(sid, SandboxSpec(
                     backend="container", memory_bytes=64 << 20, pids_max=64,
-                    cpu_milli=round(load * 1000), qos="be" if qos == "on" else "ls"))
+                    cpu_milli=round(load * 1000), qos="ls" if qos == "off" else "be"))
                 sets[qos].append(sid)
                 await b.exec(sid, ExecRequest(shell=SPIN, background=True))
+                if qos == "beside":
+                    beside.append(_move_beside_ls(gov.layout.bases["cpu"],
+                                                  b.box(sid).cg.dirs["cpu"], sid))
                 gov.freeze(b.box(sid).cg)
         got = {m: _Window() for m in sets}
 
@@ -189,7 +201,7 @@ async def _level(b: object, ls: list[str], load: float, rounds: int, k: int,
             assert r.exit_code == 0, r
             w.inside_s += [int(x) / 1e6 for x in r.stdout.split()]
 
-        modes = ("none", "off", "on") if load > 0 else ("none",)
+        modes = ("none", *loaded) if load > 0 else ("none",)
         for mode in window_order(modes, rounds, seed):
             w = got[mode]
             for s in sets[mode]:
@@ -211,6 +223,33 @@ async def _level(b: object, ls: list[str], load: float, rounds: int, k: int,
                 with contextlib.suppress(Exception):
                     gov.thaw(b.box(s).cg)
                 await b.destroy(s)
+        for d in beside:
+            with contextlib.suppress(OSError):
+                os.rmdir(d)
+
+
+def _move_beside_ls(cpu_base: str, cpu_dir: str, sid: str) -> str:
+    """Diagnostic (``DSEC_BENCH_QOS_BESIDE=1``, v1): move a BE sandbox's tasks (its
+    spinner already running) from its cpu cgroup under the idle parent to one made
+    beside the LS sandboxes under the base - the placement before the idle parent
+    (dsec.edge.governor.be_cpu_parent) - with the same class writes (lowest weight,
+    ``cpu.idle``, its quota), so both placements are measured in one run."""
+    d = os.path.join(cpu_base, f"{sid}-beside")
+    os.mkdir(d)
+    for f in ("cpu.shares", "cpu.cfs_quota_us", "cpu.idle"):   # shares before idle
+        src = os.path.join(cpu_dir, f)
+        if os.path.exists(src):
+            with open(src) as r:
+                val = r.read().strip()
+            with open(os.path.join(d, f), "w") as w:
+                w.write("2" if f == "cpu.shares" else val)
+    with open(os.path.join(cpu_dir, "cgroup.procs")) as r:
+        pids = r.read().split()
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError), \
+                open(os.path.join(d, "cgroup.procs"), "w") as w:
+            w.write(pid)
+    return d
 
 
 async def _run(ctx: BenchContext, work: str) -> str:
@@ -272,6 +311,13 @@ async def _run(ctx: BenchContext, work: str) -> str:
                                unloaded_p99_ms=round(ref[load][1] * 1e3, 2))
                 ctx.record("qos_be_cpu_cores", w.be_cpu_s / w.wall_s, "cores",
                            be_load=load, qos=qos)
+            if load > 0 and "beside" in got:
+                w = got["beside"]
+                ctx.record("qos_ls_p99_inflation_be_beside_ls",
+                           _pct(w.exec_s, 0.99) / ref[load][0], "x", be_load=load,
+                           inside=round(_pct(w.inside_s, 0.99) / ref[load][1], 3)
+                           if w.inside_s and ref[load][1] > 0 else None,
+                           be_cpu_cores=round(w.be_cpu_s / w.wall_s, 3))
             if load > 0 and got["off"].be_cpu_s > 0:
                 ratio = (got["on"].be_cpu_s / got["on"].wall_s) / (
                     got["off"].be_cpu_s / got["off"].wall_s)
