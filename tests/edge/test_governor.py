@@ -26,6 +26,26 @@ def test_v1_nests_under_the_edges_own_cgroups() -> None:
     assert layout.bases["memory"] == "/sys/fs/cgroup/memory/api/abc/dsec-n1"
     assert layout.bases["cpu"] == "/sys/fs/cgroup/cpu/dsec-n1"
     assert set(layout.bases) == {"memory", "cpu", "cpuacct", "pids", "freezer"}
+    # best-effort cpu cgroups: one idle parent beside the base, at the edge's own level
+    assert layout.be_cpu == "/sys/fs/cgroup/cpu/dsec-n1.be"
+
+
+def test_the_be_cpu_parent_is_found_and_owned_like_the_base() -> None:
+    """Cleanup finds the v1 BE cpu parent where it finds the bases (census parents,
+    remove_base), a damaged parents record cannot point at anything else, and the orphan
+    sweep files it under its edge's name."""
+    from dsec.edge.backends.container.census import _owner, parse_parents
+    from dsec.edge.governor import all_leaf_dirs
+
+    leaves = all_leaf_dirs(V1_MOUNTINFO, V1_SELF, name="n1")
+    assert "/sys/fs/cgroup/cpu/dsec-n1.be" in leaves
+    assert [d for d in leaves if d.endswith(".be")] == ["/sys/fs/cgroup/cpu/dsec-n1.be"]
+    lines = ("/sys/fs/cgroup/cpu/dsec-n1.be", "/sys/fs/cgroup/cpu/dsec-n1",
+             "/sys/fs/cgroup/cpu/dsec-n1.bee", "/sys/fs/cgroup/cpu/dsec-n2.be",
+             "/sys/fs/cgroup/cpu/x/../dsec-n1.be")
+    assert parse_parents("\n".join(lines), "n1") == ["/sys/fs/cgroup/cpu/dsec-n1.be",
+                                        "/sys/fs/cgroup/cpu/dsec-n1"]
+    assert _owner("/sys/fs/cgroup/cpu/dsec-n1.be") == _owner("/x/dsec-n1") == "n1"
 
 
 def test_v2_is_preferred_when_it_has_the_controllers() -> None:
@@ -33,6 +53,7 @@ def test_v2_is_preferred_when_it_has_the_controllers() -> None:
                            v2_controllers=lambda d: {"memory", "cpu", "pids", "io"})
     assert layout.version == 2 and layout.v2_own == "/sys/fs/cgroup/user/edge"
     assert layout.bases == {"unified": "/sys/fs/cgroup/user/edge/dsec-n1"}
+    assert layout.be_cpu == ""   # v2: BE stays under the base (the node's totals are there)
 
 
 def test_no_usable_hierarchy_is_a_clear_error() -> None:

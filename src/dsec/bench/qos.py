@@ -1,20 +1,35 @@
 """Suite ``qos``: latency-sensitive step latency under best-effort CPU load, QoS on vs off
 (issue 22, the shape of DSec's QoS experiment).
 
-LS sandboxes (one per core, 1 core each) each run a loop of agent-like steps: one exec of
-a fixed shell computation per step, timed end to end (p50/p99). Beside them BE sandboxes
-(one per core) each run a CPU-saturating spinner capped at ``be_load`` of a core
-(``cpu_quota_milli``), so the BE demand is ``be_load`` x the node's cores of *extra*
-load: 0, 10 %, 30 %, 50 %. Each level runs twice in the same run, interleaved: QoS off
-(the BE sandboxes are ordinary "ls" sandboxes, the weight of their request) and QoS on
-(class "be": SCHED_IDLE, cpu.shares=2 + cpu.idle). Figures:
+LS sandboxes (one per core, 1 core each) each run agent-like steps, measured two ways:
+an *exec step* (one exec of a fixed shell computation, ~5 ms of CPU, timed end to end by
+the caller: the edge's exec path plus the work - what an agent waiting on a command
+sees) and an *in-sandbox step* (a long-lived process inside, ``dsec-stepper`` compiled
+from :data:`STEPPER_C`, sleeps 2 ms then does ~5 ms of fixed arithmetic and times that
+itself: the sandbox's own CPU latency, no edge in it). Beside them BE sandboxes (one per
+core) each run a CPU-saturating spinner capped at ``be_load`` of a core
+(``cpu_milli``), so the BE demand is ``be_load`` x the node's cores of *extra* load:
+0, 10 %, 30 %, 50 %.
 
-* ``qos_ls_p99_inflation`` (params ``be_load``, ``qos``): loaded LS p99 / unloaded LS p99
-  of the same mode;
-* ``qos_be_throughput_ratio``: BE work rate (CPU-seconds per second of the LS window)
+Per level, both BE sets - QoS off (ordinary "ls" sandboxes, the weight of their request)
+and QoS on (class "be": SCHED_IDLE processes in a ``cpu.idle`` cgroup under one idle
+parent beside the sandboxes' parent, dsec.edge.governor.be_cpu_parent) - are created
+once and frozen, and short windows with no BE, off's BE or on's BE thawed interleave in
+shuffled rounds (:func:`window_order`): the shared host's load swings land on every mode
+alike, and the unloaded reference is measured between the loaded windows. Figures:
+
+* ``qos_ls_p99_inflation`` (params ``be_load``, ``qos``): exec-step p99 with that BE
+  load / exec-step p99 of the same level's unloaded windows;
+* ``qos_ls_p99_inflation_inside``: the same for the in-sandbox step;
+* ``qos_be_throughput_ratio``: BE work rate (CPU-seconds per second of its windows)
   with QoS on / off (per level, and the 0.5 level without a ``be_load`` param as the
   headline);
-* ``qos_ls_step_p50_ms`` / ``qos_ls_step_p99_ms`` per level and mode.
+* ``qos_ls_step_p50_ms`` / ``qos_ls_step_p99_ms`` and ``qos_ls_inside_p50_ms`` /
+  ``qos_ls_inside_p99_ms`` per level and mode, ``qos_be_cpu_cores``;
+* with ``DSEC_BENCH_QOS_BESIDE=1`` (v1; a diagnostic, off by default: a fourth window
+  per round), ``qos_ls_p99_inflation_be_beside_ls``: QoS on but the BE sandboxes' cpu
+  cgroups moved beside the LS ones under the sandboxes' parent, the placement before the
+  idle parent - both placements measured in one run.
 
 **Memory half** (``qos_ls_p99_inflation_mem``, params ``qos``): the sandboxes' parent
 memory cgroup is capped (``mem_limit``, 512 MiB) so the experiment presses this edge's
@@ -27,7 +42,7 @@ its default thresholds, PSI read from a cgroup v2 directory holding only this be
 processes when the host has one, else ``/proc/pressure/memory``), against the same LS
 loop with no BE sandbox at all.
 
-A plot of p99 vs BE load (on/off) is written as SVG (no matplotlib in the venv: drawn by
+A plot of p99 vs BE load (on/off; exec steps solid, in-sandbox steps dashed) is written as SVG (no matplotlib in the venv: drawn by
 hand) to ``$DSEC_BENCH_QOS_PLOT`` (default ``bench-qos-p99.svg`` beside the results
 JSON, ``dsec bench --json``). The machine is shared: ratios within one run
 are what count; the load average at start and end is recorded.
@@ -65,39 +80,176 @@ def _loadavg() -> float:
         return float(f.read().split()[0])
 
 
-async def _level(b: object, ls: list[str], load: float, qos: str, steps: int,
-                 cores: int) -> tuple[list[float], float]:
-    """LS step latencies (s) and the BE sandboxes' CPU rate (cores) while they ran."""
+STEPPER_C = r"""
+/* dsec qos bench: an agent step inside a sandbox, timed by the sandbox itself. Each of
+   N steps sleeps THINK_US (the agent thinking), then does WORK iterations of fixed
+   arithmetic and prints the step's own wall time in microseconds. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <time.h>
+#include <unistd.h>
+static double now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec * 1e6 + t.tv_nsec / 1e3;
+}
+int main(int argc, char **argv) {
+    if (argc != 4) return 2;
+    int n = atoi(argv[1]), think = atoi(argv[3]);
+    long work = atol(argv[2]);
+    volatile unsigned long x = 0;
+    for (int i = 0; i < n; i++) {
+        usleep(think);
+        double t0 = now();
+        for (long k = 0; k < work; k++) x += k * k;
+        printf("%.0f\n", now() - t0);
+    }
+    return 0;
+}
+"""
+#: the in-sandbox step: ~5 ms of arithmetic on this VM's CPUs after 2 ms of "thinking"
+STEPPER_WORK, STEPPER_THINK_US = 10_000_000, 2000
+
+
+def build_stepper(image_root: str) -> bool:
+    """Compile :data:`STEPPER_C` statically into ``<image_root>/bin/dsec-stepper`` with
+    the C compiler the native driver already needs (nsexec); False where none is
+    found (the in-sandbox figures are then left out, with a note)."""
+    import shutil
+    import subprocess
+
+    cc = next((c for c in ("cc", "gcc", "clang") if shutil.which(c)), None)
+    if cc is None:
+        return False
+    with tempfile.TemporaryDirectory(prefix="dsec-stepper-") as tmp:
+        src = os.path.join(tmp, "stepper.c")
+        with open(src, "w") as f:
+            f.write(STEPPER_C)
+        out = os.path.join(image_root, "bin", "dsec-stepper")
+        r = subprocess.run([cc, "-O1", "-static", "-o", out, src], capture_output=True,
+                           check=False)
+    return r.returncode == 0
+
+
+def window_order(modes: tuple[str, ...], rounds: int, seed: int) -> list[str]:
+    """The measurement windows of one level: ``rounds`` rounds, each with one window per
+    mode in a shuffled order (pure). Interleaving short windows spreads the shared
+    host's load swings over every mode alike; one long window per mode (the earlier
+    design) let a neighbour's burst land on one mode and read as its inflation."""
+    import random
+
+    rng = random.Random(seed)
+    out: list[str] = []
+    for _ in range(rounds):
+        order = list(modes)
+        rng.shuffle(order)
+        out += order
+    return out
+
+
+class _Window:
+    """What one mode's windows of a level collected."""
+
+    def __init__(self) -> None:
+        self.exec_s: list[float] = []     # exec round trips (one agent step each)
+        self.inside_s: list[float] = []   # in-sandbox step times
+        self.be_cpu_s = 0.0               # CPU the BE sandboxes used in these windows
+        self.wall_s = 0.0
+
+
+async def _level(b: object, ls: list[str], load: float, rounds: int, k: int,
+                 cores: int, stepper: bool, seed: int) -> dict[str, _Window]:
+    """One BE load level: BE spinners for QoS off (class "ls", the weight of their
+    request) and on (class "be") are created once and frozen; then windows of no BE,
+    off's BE and on's BE running (thawed) interleave (:func:`window_order`). In each
+    window every LS sandbox runs ``k`` exec steps and then, where the stepper is
+    built, one exec of ``2k`` in-sandbox steps."""
     from dsec.edge.backends.container import ContainerBackend
     assert isinstance(b, ContainerBackend)
-    be: list[SandboxId] = []
+    gov = b.governor
+    sets: dict[str, list[SandboxId]] = {"none": [], "off": [], "on": []}
+    loaded = ["off", "on"]
+    beside: list[str] = []   # the diagnostic mode's cpu cgroups, removed at the end
+    if os.environ.get("DSEC_BENCH_QOS_BESIDE") == "1" and gov.layout.be_cpu:
+        sets["beside"] = []
+        loaded.append("beside")
     try:
-        if load > 0:
+        for qos in (loaded if load > 0 else ()):
             for _ in range(cores):
                 sid = new_sandbox_id(NodeId("qos"))
-                spec = SandboxSpec(backend="container", memory_bytes=64 << 20, pids_max=64,
-                                   cpu_milli=round(load * 1000),
-                                   qos="be" if qos == "on" else "ls")
-                await b.create(sid, spec)
-                be.append(sid)
+                await b.create(sid, SandboxSpec(
+                    backend="container", memory_bytes=64 << 20, pids_max=64,
+                    cpu_milli=round(load * 1000), qos="ls" if qos == "off" else "be"))
+                sets[qos].append(sid)
                 await b.exec(sid, ExecRequest(shell=SPIN, background=True))
-            await asyncio.sleep(0.5)   # spinners up
-        cpu0 = sum([(await b.stats(s)).cpu_seconds for s in be])
-        t0 = time.perf_counter()
-        lat: list[float] = []
+                if qos == "beside":
+                    beside.append(_move_beside_ls(gov.layout.bases["cpu"],
+                                                  b.box(sid).cg.dirs["cpu"], sid))
+                gov.freeze(b.box(sid).cg)
+        got = {m: _Window() for m in sets}
 
-        async def loop(sid: str) -> None:
-            for _ in range(steps):
+        async def steps(sid: str, w: _Window) -> None:
+            for _ in range(k):
                 t0 = time.perf_counter()
                 r = await b.exec(SandboxId(sid), ExecRequest(shell=STEP))
-                lat.append(time.perf_counter() - t0)
+                w.exec_s.append(time.perf_counter() - t0)
                 assert r.exit_code == 0, r
-        await asyncio.gather(*(loop(s) for s in ls))
-        cpu1 = sum([(await b.stats(s)).cpu_seconds for s in be])
-        return lat, (cpu1 - cpu0) / (time.perf_counter() - t0)
+
+        async def inside(sid: str, w: _Window) -> None:
+            r = await b.exec(SandboxId(sid), ExecRequest(argv=(
+                "/bin/dsec-stepper", str(2 * k), str(STEPPER_WORK), str(STEPPER_THINK_US))))
+            assert r.exit_code == 0, r
+            w.inside_s += [int(x) / 1e6 for x in r.stdout.split()]
+
+        modes = ("none", *loaded) if load > 0 else ("none",)
+        for mode in window_order(modes, rounds, seed):
+            w = got[mode]
+            for s in sets[mode]:
+                gov.thaw(b.box(s).cg)
+            await asyncio.sleep(0.05)   # spinners back on the CPU
+            cpu0 = sum([(await b.stats(s)).cpu_seconds for s in sets[mode]])
+            t0 = time.perf_counter()
+            await asyncio.gather(*(steps(s, w) for s in ls))
+            if stepper:
+                await asyncio.gather(*(inside(s, w) for s in ls))
+            w.wall_s += time.perf_counter() - t0
+            w.be_cpu_s += sum([(await b.stats(s)).cpu_seconds for s in sets[mode]]) - cpu0
+            for s in sets[mode]:
+                gov.freeze(b.box(s).cg)
+        return got
     finally:
-        for s in be:
-            await b.destroy(s)
+        for ss in sets.values():
+            for s in ss:
+                with contextlib.suppress(Exception):
+                    gov.thaw(b.box(s).cg)
+                await b.destroy(s)
+        for d in beside:
+            with contextlib.suppress(OSError):
+                os.rmdir(d)
+
+
+def _move_beside_ls(cpu_base: str, cpu_dir: str, sid: str) -> str:
+    """Diagnostic (``DSEC_BENCH_QOS_BESIDE=1``, v1): move a BE sandbox's tasks (its
+    spinner already running) from its cpu cgroup under the idle parent to one made
+    beside the LS sandboxes under the base - the placement before the idle parent
+    (dsec.edge.governor.be_cpu_parent) - with the same class writes (lowest weight,
+    ``cpu.idle``, its quota), so both placements are measured in one run."""
+    d = os.path.join(cpu_base, f"{sid}-beside")
+    os.mkdir(d)
+    for f in ("cpu.shares", "cpu.cfs_quota_us", "cpu.idle"):   # shares before idle
+        src = os.path.join(cpu_dir, f)
+        if os.path.exists(src):
+            with open(src) as r:
+                val = r.read().strip()
+            with open(os.path.join(d, f), "w") as w:
+                w.write("2" if f == "cpu.shares" else val)
+    with open(os.path.join(cpu_dir, "cgroup.procs")) as r:
+        pids = r.read().split()
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError), \
+                open(os.path.join(d, "cgroup.procs"), "w") as w:
+            w.write(pid)
+    return d
 
 
 async def _run(ctx: BenchContext, work: str) -> str:
@@ -108,10 +260,12 @@ async def _run(ctx: BenchContext, work: str) -> str:
 
     images = os.path.join(work, "images")
     build_busybox_root(os.path.join(images, "base"))
+    stepper = build_stepper(os.path.join(images, "base"))
     psi_path = _own_psi_cgroup(work)   # before the backend: the zygote inherits it
     b = ContainerBackend(root_dir=os.path.join(work, "root"), images=DirectoryImages(images))
     cores = os.cpu_count() or 1
-    steps = ctx.scale(200, 40)
+    rounds, k = ctx.scale(20, 5), 10
+    steps = ctx.scale(200, 40)   # the memory half's LS window
     load0 = _loadavg()
     ls: list[str] = []
     try:
@@ -123,38 +277,71 @@ async def _run(ctx: BenchContext, work: str) -> str:
             for _ in range(5):   # warm: the exec helper up, the image's pages cached
                 await b.exec(sid, ExecRequest(shell=STEP))
         p99: dict[tuple[float, str], float] = {}
-        be_cpu: dict[tuple[float, str], float] = {}
-        for load in LEVELS:
+        p99_in: dict[tuple[float, str], float] = {}
+        ref: dict[float, tuple[float, float]] = {}
+        for i, load in enumerate(LEVELS):
+            la = _loadavg()
+            got = await _level(b, ls, load, rounds, k, cores, stepper, seed=i)
+            base = got["none"]
+            ref[load] = (_pct(base.exec_s, 0.99),
+                         _pct(base.inside_s, 0.99) if base.inside_s else 0.0)
             for qos in ("off", "on"):
-                lat, cpu = await _level(b, ls, load, qos, steps, cores)
-                p99[load, qos] = _pct(lat, 0.99)
-                be_cpu[load, qos] = cpu
-                ctx.record("qos_ls_step_p50_ms", statistics.median(lat) * 1e3, "ms",
-                           be_load=load, qos=qos, steps=len(lat))
-                ctx.record("qos_ls_step_p99_ms", p99[load, qos] * 1e3, "ms",
-                           be_load=load, qos=qos, steps=len(lat))
-                if load > 0:
-                    ctx.record("qos_be_cpu_cores", cpu, "cores", be_load=load, qos=qos)
-        for load in LEVELS[1:]:
-            for qos in ("off", "on"):
-                ctx.record("qos_ls_p99_inflation", p99[load, qos] / p99[0.0, qos], "x",
+                w = got[qos] if load > 0 else base
+                p99[load, qos] = _pct(w.exec_s, 0.99)
+                common = {"be_load": load, "qos": qos, "steps": len(w.exec_s),
+                          "load_average": la}
+                ctx.record("qos_ls_step_p50_ms", statistics.median(w.exec_s) * 1e3, "ms",
+                           **common)
+                ctx.record("qos_ls_step_p99_ms", p99[load, qos] * 1e3, "ms", **common)
+                if w.inside_s:
+                    p99_in[load, qos] = _pct(w.inside_s, 0.99)
+                    common["steps"] = len(w.inside_s)
+                    ctx.record("qos_ls_inside_p50_ms", statistics.median(w.inside_s) * 1e3,
+                               "ms", **common)
+                    ctx.record("qos_ls_inside_p99_ms", p99_in[load, qos] * 1e3, "ms",
+                               **common)
+                if load == 0:
+                    continue
+                ctx.record("qos_ls_p99_inflation", p99[load, qos] / ref[load][0], "x",
+                           be_load=load, qos=qos, unloaded_p99_ms=round(ref[load][0] * 1e3, 2),
+                           load_average=la)
+                if w.inside_s and ref[load][1] > 0:
+                    ctx.record("qos_ls_p99_inflation_inside", p99_in[load, qos] / ref[load][1],
+                               "x", be_load=load, qos=qos,
+                               unloaded_p99_ms=round(ref[load][1] * 1e3, 2))
+                ctx.record("qos_be_cpu_cores", w.be_cpu_s / w.wall_s, "cores",
                            be_load=load, qos=qos)
-            if be_cpu[load, "off"] > 0:
-                ctx.record("qos_be_throughput_ratio", be_cpu[load, "on"] / be_cpu[load, "off"],
-                           "x", be_load=load)
-        if be_cpu[0.5, "off"] > 0:
-            ctx.record("qos_be_throughput_ratio", be_cpu[0.5, "on"] / be_cpu[0.5, "off"], "x")
+            if load > 0 and "beside" in got:
+                w = got["beside"]
+                ctx.record("qos_ls_p99_inflation_be_beside_ls",
+                           _pct(w.exec_s, 0.99) / ref[load][0], "x", be_load=load,
+                           inside=round(_pct(w.inside_s, 0.99) / ref[load][1], 3)
+                           if w.inside_s and ref[load][1] > 0 else None,
+                           be_cpu_cores=round(w.be_cpu_s / w.wall_s, 3))
+            if load > 0 and got["off"].be_cpu_s > 0:
+                ratio = (got["on"].be_cpu_s / got["on"].wall_s) / (
+                    got["off"].be_cpu_s / got["off"].wall_s)
+                ctx.record("qos_be_throughput_ratio", ratio, "x", be_load=load)
+                if load == LEVELS[-1]:
+                    ctx.record("qos_be_throughput_ratio", ratio, "x")
+        if not stepper:
+            ctx.note("no C compiler: the in-sandbox step figures (qos_ls_inside_*) are "
+                     "left out")
         await _memory_half(ctx, b, ls, steps, cores, psi_path)
         load1 = _loadavg()
         ctx.record("qos_load_average", (load0 + load1) / 2, "load", start=load0, end=load1,
                    cores=cores)
         feats = qos_features()
-        ctx.note(f"QoS bench: {cores} LS sandboxes x {steps} steps per level, {cores} BE "
-                 f"spinners capped at be_load of a core each; host load average {load0:.1f} "
-                 f"at start, {load1:.1f} at end (a shared machine: compare on/off within the "
-                 f"run); kernel: {feats}")
-        return svg_plot({q: [(lv, p99[lv, q] * 1e3) for lv in LEVELS]
-                         for q in ("off", "on")})
+        ctx.note(f"QoS bench: {cores} LS sandboxes; per BE level {rounds} rounds of "
+                 f"interleaved windows (no BE / QoS off / QoS on), {k} exec steps per LS "
+                 f"sandbox per window; {cores} BE spinners capped at be_load of a core "
+                 f"each; host load average {load0:.1f} at start, {load1:.1f} at end (a "
+                 f"shared machine: compare on/off within the run); kernel: {feats}")
+        series = {q: [(lv, p99[lv, q] * 1e3) for lv in LEVELS] for q in ("off", "on")}
+        if p99_in:
+            series.update({f"{q}, in-sandbox": [(lv, p99_in[lv, q] * 1e3) for lv in LEVELS]
+                           for q in ("off", "on")})
+        return svg_plot(series)
     finally:
         for s in list(b.sandbox_ids()):
             await b.destroy(SandboxId(s))
@@ -334,7 +521,9 @@ async def _memory_half(ctx: BenchContext, b: object, ls: list[str], steps: int,
 
 def svg_plot(series: dict[str, list[tuple[float, float]]], *, width: int = 480,
              height: int = 300) -> str:
-    """A line chart of LS p99 (ms) against BE load, one line per QoS mode (pure)."""
+    """A line chart of LS p99 (ms) against BE load, one line per series (pure): the
+    QoS mode ("off"/"on", solid) or a mode's in-sandbox steps ("on, in-sandbox", dashed
+    in the mode's colour)."""
     left, right, top, bottom = 60, 20, 30, 45
     xs = [x for pts in series.values() for x, _ in pts]
     ys = [y for pts in series.values() for _, y in pts]
@@ -364,9 +553,11 @@ def svg_plot(series: dict[str, list[tuple[float, float]]], *, width: int = 480,
         y = ymax * i / 4
         out.append(f'<text x="{left - 5}" y="{py(y) + 4:.1f}" text-anchor="end">{y:.0f}</text>')
     for k, (name, pts) in enumerate(sorted(series.items())):
-        c = colors.get(name, "#2ca02c")
+        c = colors.get(name.split(",")[0], "#2ca02c")
+        dash = ' stroke-dasharray="5,3"' if "," in name else ""   # "on, in-sandbox"
         path = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in pts)
-        out.append(f'<polyline fill="none" stroke="{c}" stroke-width="2" points="{path}"/>')
+        out.append(f'<polyline fill="none" stroke="{c}" stroke-width="2"{dash} '
+                   f'points="{path}"/>')
         for x, y in pts:
             out.append(f'<circle cx="{px(x):.1f}" cy="{py(y):.1f}" r="3" fill="{c}"/>')
         out.append(f'<text x="{left + 10}" y="{top + 12 + 14 * k}" fill="{c}">QoS {name}</text>')

@@ -231,3 +231,63 @@ async def test_pin_or_io_limit_refused_by_a_governor_not_managing_them(
         with pytest.raises(BackendError, match="does not manage"):
             gov.create(sid, lim)
         assert not any(os.path.exists(d) for d in gov.paths(sid).dirs.values())
+
+
+async def test_best_effort_cpu_cgroups_share_one_idle_parent_beside_the_edge(
+        tmp_path: object, images_dir: str) -> None:
+    """v1: every BE sandbox's cpu cgroup is under one ``cpu.idle`` parent that is a
+    *sibling* of the sandboxes' parent, i.e. at the edge's own level (where the edge's
+    exec path meets BE work: dsec.edge.governor.be_cpu_parent); an LS sandbox's stays
+    under the base. Every process of the BE sandbox (init, helper, zygote- and
+    helper-forked commands) is in it; the census finds it; destroy removes it, and so
+    does reconciliation of a sandbox the node forgot (a restarted edge)."""
+    from dsec.edge.backends.container import DirectoryImages
+    from dsec.edge.backends.container.census import take_census
+    from tests.edge.container.conftest import _cleanup
+
+    root = os.path.join(str(tmp_path), "root")
+    b = ContainerBackend(root_dir=root, images=DirectoryImages(images_dir))
+    b2: ContainerBackend | None = None
+    try:
+        gov = b.governor
+        if gov.version != 1 or "cpu" not in gov.layout.bases:
+            pytest.skip("the BE cpu parent is a cgroup v1 layout")
+        base, parent = gov.layout.bases["cpu"], gov.layout.be_cpu
+        assert os.path.dirname(parent) == os.path.dirname(base)   # the edge's own level
+        own = next(line.split(":", 2)[2] for line in _read("/proc/self/cgroup").splitlines()
+                   if "cpu" in line.split(":")[1].split(","))
+        assert os.path.dirname(base).endswith(own.rstrip("/"))
+        be, ls = new_sid(), new_sid()
+        await b.create(be, msgspec.structs.replace(SPEC, qos="be"))
+        await b.create(ls, msgspec.structs.replace(SPEC, qos="ls"))
+        if os.path.exists(os.path.join(parent, "cpu.idle")):
+            assert _read(os.path.join(parent, "cpu.idle")) == "1"
+        mine = os.path.join(parent, be)
+        assert b.box(be).cg.dirs["cpu"] == mine
+        assert b.box(ls).cg.dirs["cpu"] == os.path.join(base, ls)
+        assert gov.paths(be).dirs["cpu"] == mine   # found without knowing the class
+        await b.exec(be, ExecRequest(argv=("sleep", "30"), background=True))   # zygote
+        assert (await b.exec(be, ExecRequest(shell="true"))).exit_code == 0
+        await _helper_up(b, be)
+        await b.exec(be, ExecRequest(argv=("sleep", "30"), background=True))   # helper
+        tasks = {int(p) for p in _read(os.path.join(b.box(be).cg.dirs["pids"],
+                                                    "cgroup.procs")).split()}
+        assert len(tasks) >= 4   # init, helper, two sleeps
+        assert {int(p) for p in _read(os.path.join(mine, "cgroup.procs")).split()} == tasks
+        assert mine in take_census(root, b.cgroup_name).cgroups[be]
+        assert be in gov.list_sandboxes()
+        await b.destroy(be)
+        assert not os.path.exists(mine)
+        # a restarted edge reconciles away a BE sandbox it does not keep: cpu dir too
+        gone = new_sid()
+        await b.create(gone, msgspec.structs.replace(SPEC, qos="be"))
+        await b.close()   # sandboxes keep running for adoption
+        b2 = ContainerBackend(root_dir=root, images=DirectoryImages(images_dir))
+        await b2.reconcile({ls})
+        assert not os.path.exists(os.path.join(parent, gone))
+        assert await b2.adopt(ls, msgspec.structs.replace(SPEC, qos="ls"))
+    finally:
+        await _cleanup(b2 if b2 is not None else b)
+        if b2 is not None:
+            b.governor.remove_base()
+    assert not os.path.exists(parent), "the BE cpu parent outlived the backend"

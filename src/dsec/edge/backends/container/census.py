@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterator
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
-from dsec.edge.governor import all_leaf_dirs, kill_verified, parse_mountinfo
+from dsec.edge.governor import BE_SUFFIX, all_leaf_dirs, kill_verified, parse_mountinfo
 from dsec.image.mount import mounts_below
 from dsec.ownership import start_time
 
@@ -286,7 +286,8 @@ def find_named_cgroups(mountinfo: str, names: AbstractSet[str] | None) -> list[s
     cgroup than the caller). The walk never descends into a ``dsec-*`` dir: sandboxes'
     cgroups live there, so the cost is the host's own cgroups (measured 0.8 ms for
     the 23 of the dev VM's 14 hierarchies)."""
-    want = None if names is None else {f"dsec-{n}" for n in names}
+    want = None if names is None else {f"dsec-{n}{sfx}" for n in names
+                                       for sfx in ("", BE_SUFFIX)}
     out: list[str] = []
     for m in parse_mountinfo(mountinfo):
         if m.fstype not in ("cgroup", "cgroup2"):
@@ -296,6 +297,13 @@ def find_named_cgroups(mountinfo: str, names: AbstractSet[str] | None) -> list[s
                        if (d.startswith("dsec-") if want is None else d in want))
             dirnames[:] = [d for d in dirnames if not d.startswith("dsec-")]
     return sorted(set(out))
+
+
+def _owner(cgroup_dir: str) -> str:
+    """The cgroup name a ``dsec-<name>`` (or v1 best-effort cpu parent
+    ``dsec-<name>.be``) dir belongs to (pure)."""
+    name = os.path.basename(cgroup_dir)[len("dsec-"):]
+    return name.removesuffix(BE_SUFFIX)
 
 
 def reap_orphan_names(*, names_dir: str = NAMES_DIR,
@@ -339,7 +347,7 @@ def reap_orphan_names(*, names_dir: str = NAMES_DIR,
         # once it is older than a backend's start (claim, then mkdir) could take.
         now = time.time()
         for d in found:
-            name = os.path.basename(d)[len("dsec-"):]
+            name = _owner(d)
             if name in bindings or (unbound_scope is not None and not unbound_scope(name)):
                 continue
             try:
@@ -351,12 +359,12 @@ def reap_orphan_names(*, names_dir: str = NAMES_DIR,
             if gone:
                 out.setdefault(name, []).extend(gone)
         for name in idle:  # owner dead, root kept: only what is empty goes
-            gone = [r for d in found if os.path.basename(d) == f"dsec-{name}"
+            gone = [r for d in found if _owner(d) == name
                     for r in remove_empty_cgroups(d)]
             if gone:
                 out[name] = gone
         for name in sorted(orphans):
-            dirs = [d for d in found if os.path.basename(d) == f"dsec-{name}"]
+            dirs = [d for d in found if _owner(d) == name]
             try:
                 remove_cgroup_dirs_now(dirs, timeout_s=2.0)
             except OSError:
@@ -380,13 +388,15 @@ def release_cgroup_name(cgroup_name: str, root_dir: str, *,
 
 def parse_parents(text: str, cgroup_name: str) -> list[str]:
     """The parent dirs a ``cgroup-parents`` text names: absolute, normalised paths
-    ending in ``dsec-<cgroup_name>`` (anything else is ignored: a damaged record must
+    ending in ``dsec-<cgroup_name>`` or, v1's best-effort cpu parent,
+    ``dsec-<cgroup_name>.be`` (anything else is ignored: a damaged record must
     not point reconciliation at other cgroups). Pure."""
     leaf = f"dsec-{cgroup_name}"
     out = []
     for line in text.splitlines():
         p = line.strip()
-        if p.startswith("/") and os.path.normpath(p) == p and os.path.basename(p) == leaf:
+        if p.startswith("/") and os.path.normpath(p) == p \
+                and os.path.basename(p) in (leaf, leaf + BE_SUFFIX):
             out.append(p)
     return out
 
