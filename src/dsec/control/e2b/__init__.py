@@ -24,10 +24,13 @@ class E2BServer:
     async def stop(self) -> None:
         await self.app.watchers.close()
         self.server.should_exit = True
-        try:
-            await asyncio.wait_for(self.task, 10.0)
-        except (TimeoutError, asyncio.CancelledError):
+        # in-flight requests finish (10 s at most); asyncio.wait neither cancels the
+        # server's task at its timeout nor swallows a cancel of this stop()
+        done, _ = await asyncio.wait({self.task}, timeout=10.0)
+        if not done:
             self.task.cancel()
+        elif not self.task.cancelled():
+            self.task.result()          # a server that failed says so, as before
 
 
 async def start_e2b(service: Any, listen: str, *, config: E2BConfig | None = None,
