@@ -583,7 +583,7 @@ class E2BApp:
 
     # --------------------------------------------------------------------- envd
     async def _envd(self, request: Request, sandbox: str) -> _Answer:
-        path = request.url.path
+        path: str = request.scope["path"]     # (request.url parses a whole URL)
         streaming = request.headers.get("content-type", "").startswith(
             "application/connect+")
         try:
@@ -615,7 +615,7 @@ class E2BApp:
 
     def _rpc_error(self, exc: BaseException, streaming: bool, request: Request) -> Response:
         code, message = self._rpc_code(exc, request)
-        if request.url.path in ("/files", "/health"):
+        if request.scope["path"] in ("/files", "/health"):
             # plain HTTP routes: an error of this layer keeps its own status (413 for an
             # upload past max_upload, 405 for a wrong method), not the Connect code's
             status = exc.status if isinstance(exc, _E2BError) else \

@@ -116,11 +116,19 @@ def decode_envelope(body: bytes, *, limit: int) -> dict[str, Any]:
     return parse_message(body[_HEADER.size:])
 
 
+_decode = msgspec.json.Decoder().decode
+
+
 def parse_message(raw: bytes) -> dict[str, Any]:
     try:
-        msg = json.loads(raw) if raw else {}
-    except ValueError as exc:
-        raise InvalidArgument(f"the request message is not JSON: {exc}") from None
+        msg = _decode(raw) if raw else {}
+    except msgspec.DecodeError:
+        # what msgspec does not take (UTF-16/32 JSON, ...) is json's to accept or
+        # refuse, with its message
+        try:
+            msg = json.loads(raw)
+        except ValueError as exc:
+            raise InvalidArgument(f"the request message is not JSON: {exc}") from None
     if not isinstance(msg, dict):
         raise InvalidArgument("the request message must be a JSON object")
     return msg
