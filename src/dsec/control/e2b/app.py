@@ -96,6 +96,13 @@ ENVD_PORT = 49983
 CODE_PORT = 49999           # e2b-code-interpreter's (JUPYTER_PORT): dsec's run_code kernel
 _MAX_MESSAGE = 16 << 20
 _ENVD_PREFIXES = ("/process.Process/", "/filesystem.Filesystem/")
+# envd calls that resume a paused dsec sandbox (commands and writes; reads leave it
+# paused): refused on a paused sandbox created with auto_resume=False
+_ENVD_WRITES = frozenset(
+    [f"/process.Process/{m}" for m in ("Start", "SendInput", "SendSignal", "CloseStdin",
+                                       "Update")]
+    + [f"/filesystem.Filesystem/{m}" for m in ("MakeDir", "Remove", "Move",
+                                               "CreateWatcher")])
 #: What a route answers with: a Starlette response or a ConnectStream (an ASGI app each).
 _Answer = Callable[[Any, Any, Any], Awaitable[None]]
 
@@ -217,6 +224,8 @@ class E2BApp:
         self.tokens = SandboxTokens(port_key if isinstance(port_key, bytes)
                                     else secrets.token_bytes(32))
         self._bash: dict[str, None] = {}     # sandboxes seen with /bin/bash (insertion order)
+        # sandbox -> created with auto_resume=False (bounded; learnt once per sandbox)
+        self._resume_off: dict[str, bool] = {}
         self._put = h(ops.WRITE_FILE)
         self._read = h(ops.READ_FILE)
         self._exec = h(ops.EXEC)
@@ -485,12 +494,14 @@ class E2BApp:
             raise _E2BError(400, exc.message) from None
         key = request.headers.get("idempotency-key")
         info = await self.service.create(caller, req, idempotency_key=key)
+        self._note_resume(info)
         return _json(mapping.sandbox_created(info, *self._tokens_for(token, info.id)), 201)
 
     async def _connect(self, request: Request, caller: Caller, sid: str,
                        token: str) -> Response:
         body = await self._json_body(request)
         info = await self._live(caller, sid)
+        self._note_resume(info)
         status = 200
         if mapping.state_of(info) == "paused" or info.state == "pausing":
             info = await self._resume(caller, SandboxRef(id=sid))
@@ -594,6 +605,8 @@ class E2BApp:
                 return await self._health(request, sandbox)
             caller = self._caller(request, "x-access-token", "x-api-key", sandbox=sandbox,
                                   scopes=("envd",))
+            if path in _ENVD_WRITES or (path == "/files" and request.method == "POST"):
+                await self._no_silent_resume(caller, sandbox)
             if path == "/files":
                 return await self._files(request, caller, sandbox)
             if not path.startswith(_ENVD_PREFIXES):
@@ -612,6 +625,33 @@ class E2BApp:
         except Exception as exc:  # a bug: logged, answered as internal, never a trace
             log.exception("E2B envd %s failed", path)
             return self._rpc_error(exc, streaming, request)
+
+    def _note_resume(self, info: SandboxInfo) -> bool:
+        off = not mapping.auto_resume(info)
+        if len(self._resume_off) >= 4096 and info.id not in self._resume_off:
+            self._resume_off.pop(next(iter(self._resume_off)))
+        self._resume_off[info.id] = off
+        return off
+
+    async def _no_silent_resume(self, caller: Caller, sandbox: str) -> None:
+        """E2B's ``auto_resume=False``: a command or a write on the paused sandbox fails
+        as on E2B (its envd is not running: the SDK's ``SandboxNotRunningException``)
+        instead of dsec resuming it. Whether a sandbox has it off is learnt once (a
+        ``get``; a create or connect here notes it); only those are asked their state
+        per call."""
+        off = self._resume_off.get(sandbox)
+        info: SandboxInfo | None = None
+        if off is None:
+            info = await self._get(caller, SandboxRef(id=sandbox))
+            off = self._note_resume(info)
+        if not off:
+            return
+        if info is None:
+            info = await self._get(caller, SandboxRef(id=sandbox))
+        if mapping.state_of(info) == "paused" or info.state == "pausing":
+            raise _E2BError(502, f"The sandbox {sandbox[:80]} is paused and was created "
+                                 "with auto_resume=False, so it was not found running: "
+                                 "Sandbox.connect() resumes it")
 
     def _rpc_error(self, exc: BaseException, streaming: bool, request: Request) -> Response:
         code, message = self._rpc_code(exc, request)
