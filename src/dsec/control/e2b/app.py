@@ -894,11 +894,12 @@ class E2BApp:
             return _json({"entry": mapping.entry_info(fi)})
         if method == "WatchDir" and streaming:
             return self._watch_stream(request, caller, sandbox, path or "/",
-                                      bool(msg.get("recursive")))
+                                      bool(msg.get("recursive")), user=as_)
         if method == "CreateWatcher":
-            fi = await self._stat(caller, FileRef(id=sandbox, path=path))
+            fi = await self._stat(caller, FileRef(id=sandbox, path=path, user=as_))
             if fi.type != "dir":
                 raise InvalidArgument(f"{path} is not a directory", field="path")
+            await self._may_watch(caller, sandbox, path, as_)
 
             async def probe(p: str) -> None:
                 await self._put(caller, WriteFile(id=sandbox, path=p, data=b""))
@@ -1281,11 +1282,24 @@ class E2BApp:
             raise PermissionDenied(f"as user {user!r} in sandbox {sandbox}: {why}")
 
     # ------------------------------------------------------------------ watches
+    async def _may_watch(self, caller: Caller, sandbox: str, path: str,
+                         user: str | None) -> None:
+        """``watch_dir(user=u)``: ``u`` must be able to list the directory (inotify wants
+        read permission on it, and envd watches as the user): the edge lists it as
+        ``u`` (the kernel's refusal is the error). The watch itself is dsec's
+        ``file_watch``, with root's rights below it (docs/e2b.md, 'Gaps')."""
+        if user is None:
+            return
+        with consumed():        # a check: its reply is not written out
+            await self._list_dir(caller, FileRef(id=sandbox, path=path, user=user))
+
     def _watch_stream(self, request: Request, caller: Caller, sandbox: str, path: str,
-                      recursive: bool) -> ConnectStream[FileEvent | WatchEnd]:
+                      recursive: bool, *, user: str | None = None,
+                      ) -> ConnectStream[FileEvent | WatchEnd]:
         """envd's streaming WatchDir on ``file_watch``: a start event, then one
         ``filesystem`` event per change (a keep-alive on a quiet stream: the stream
-        stays open however long it is quiet)."""
+        stays open however long it is quiet). ``user``: checked as for CreateWatcher
+        (:meth:`_may_watch`); refused, the stream ends with the error."""
         def frame(item: FileEvent | WatchEnd) -> tuple[bytes, bool]:
             if isinstance(item, FileEvent):
                 ev = mapping.fs_event(item, path)
@@ -1299,11 +1313,13 @@ class E2BApp:
                           exc_info=exc)
             return rpc.end_stream(self._rpc_code(exc, request))
 
-        return ConnectStream(
-            rpc.envelope({"event": {"start": {}}}),
-            lambda: self._watch_policy(caller, Watch(id=sandbox, path=path,
-                                                     recursive=recursive)),
-            frame, on_error, keepalive_s=self.config.keepalive_s)
+        async def open_() -> AsyncIterator[FileEvent | WatchEnd]:
+            await self._may_watch(caller, sandbox, path, user)
+            return await self._watch_policy(caller, Watch(id=sandbox, path=path,
+                                                          recursive=recursive))
+
+        return ConnectStream(rpc.envelope({"event": {"start": {}}}), open_, frame,
+                             on_error, keepalive_s=self.config.keepalive_s)
 
 
 # ListDir's whole answer (every level of a depth walk) is one JSON reply: bounded.
