@@ -132,7 +132,8 @@ def test_every_command_that_talks_to_a_cluster_takes_json() -> None:
 def test_create_env_disk_idle_timeout_network(cluster: LocalCluster) -> None:
     code, out = _run(cluster, "sandbox", "create", "--env", "GREETING=hello world",
                      "--env", "B=2", "--disk", "512MiB", "--idle-timeout", "600",
-                     "--idle-action", "pause", "--network", "open", "--json")
+                     "--idle-action", "pause", "--network", "open", "--ttl", "900",
+                     "--ttl-action", "pause", "--json")
     assert code == 0, out
     info = json.loads(out)[0]
     sid = info["id"]
@@ -141,6 +142,7 @@ def test_create_env_disk_idle_timeout_network(cluster: LocalCluster) -> None:
         assert spec["env"] == {"GREETING": "hello world", "B": "2"}
         assert spec["disk_bytes"] == 512 << 20
         assert spec["idle_timeout_s"] == 600 and spec["idle_action"] == "pause"
+        assert spec["ttl_s"] == 900 and spec["ttl_action"] == "pause"
         assert spec["network"] == {"mode": "open"}
         code, out = _run(cluster, "sandbox", "create", "--env", "NOEQUALS")
         assert code == 2 and "'NOEQUALS' must be key=value" in out

@@ -62,9 +62,14 @@ def test_e2b_files_as_a_user(e2b_target: E2BTarget) -> None:
                      lambda: sb.files.list("/srv/h", user="user"),
                      lambda: sb.files.remove("/etc/passwd", user="user"),
                      lambda: sb.files.rename("/etc/passwd", "/etc/p2", user="user"),
-                     lambda: sb.files.make_dir("/srv/new", user="user")):
+                     lambda: sb.files.make_dir("/srv/new", user="user"),
+                     # a watch as the user needs the user's right to list the directory
+                     lambda: sb.files.watch_dir("/srv/h", user="user"),
+                     lambda: sb.files.watch_dir("/srv/h/sub", user="user")):
             with pytest.raises(Exception, match="(?i)permission|denied|forbidden"):
                 call()
+        w = sb.files.watch_dir("/tmp/u", user="user")      # the user's own: watched
+        w.stop()
         sb.files.write("/tmp/u/d/e/f", "mine", user="user")
         sb.files.make_dir("/tmp/u/m", user="user")
         assert sb.files.read("/tmp/u/d/e/f", user="user") == "mine"

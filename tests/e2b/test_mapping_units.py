@@ -100,3 +100,14 @@ def test_create_lifecycle_fields() -> None:
     for bad in ({"autoPause": "yes"}, {"autoResume": True}, {"autoResume": {}}):
         with pytest.raises(InvalidArgument):
             ttl_action(**bad)
+    # autoResume off: the label the layer reads back (and only then); a caller may set
+    # that one dsec.io label (it only ever refuses a resume), never another
+    from dsec.wire.spec import reserved_label
+
+    def labels(**body: object) -> dict[str, str]:
+        return mapping.create_request({"templateID": "t", **body}, max_ttl_s=100.0).labels
+    assert labels(autoPause=True, autoResume={"enabled": False}) == {
+        mapping.AUTO_RESUME_LABEL: "false"}
+    assert labels(autoResume={"enabled": True}) == {} == labels()
+    assert not reserved_label(mapping.AUTO_RESUME_LABEL)
+    assert reserved_label("e2b.dsec.io/other")

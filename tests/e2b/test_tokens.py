@@ -62,3 +62,28 @@ def test_forged_cut_and_hostile_tokens_are_refused_without_echo() -> None:
     assert a != b and t2.open(a, "sb-1", ("envd",)) == t2.open(b, "sb-1", ("envd",)) == KEY
     with pytest.raises(ValueError):
         SandboxTokens(b"short")
+
+
+def test_opened_tokens_are_cached_but_still_bound_to_sandbox_and_scope() -> None:
+    """The LRU of opened tokens (one AES-GCM open per token, not per call) answers only
+    for the sandbox and scope a token was opened for, and stays bounded."""
+    import dsec.control.e2b.tokens as tokmod
+
+    t = SandboxTokens(SECRET)
+    envd = t.mint(KEY, "sb-aaaa-n1", "envd")
+    assert t.open(envd, "sb-aaaa-n1", ("envd",)) == KEY
+    assert t.open(envd, "sb-aaaa-n1", ("envd",)) == KEY          # from the cache
+    with pytest.raises(Unauthenticated, match="not valid for sandbox sb-bbbb-n1"):
+        t.open(envd, "sb-bbbb-n1", ("envd",))
+    with pytest.raises(Unauthenticated, match="envd access token is not accepted"):
+        t.open(envd, "sb-aaaa-n1", ("traffic",))
+    # a refused token is never cached: it is refused again, the same way
+    forged = envd[:-2] + ("AA" if envd[-2:] != "AA" else "BB")
+    for _ in range(2):
+        with pytest.raises(Unauthenticated, match="not valid"):
+            t.open(forged, "sb-aaaa-n1", ("envd",))
+    for i in range(tokmod.OPENED_CACHE + 10):
+        t.open(t.mint(KEY, f"sb-{i}", "envd"), f"sb-{i}", ("envd",))
+    assert len(t._opened) == tokmod.OPENED_CACHE
+    assert envd not in t._opened                                   # the oldest went
+    assert t.open(envd, "sb-aaaa-n1", ("envd",)) == KEY            # and opens again

@@ -259,6 +259,32 @@ def _c_lifecycle(t: E2BTarget) -> None:
         assert plain.get_info().lifecycle["on_timeout"] == "kill"
     finally:
         plain.kill()
+    _auto_resume_off(t)
+
+
+def _auto_resume_off(t: E2BTarget) -> None:
+    """``auto_resume=False``: a command or a write on the paused sandbox fails as on E2B
+    (SandboxNotRunningException) and leaves it paused; connect() resumes it."""
+    from e2b import SandboxNotRunningException
+    off = _create(t, lifecycle={"on_timeout": "pause", "auto_resume": False})
+    try:
+        assert off.get_info().lifecycle["auto_resume"] is False
+        off.files.write("/tmp/kept", "before")
+        assert off.pause() is not False
+        for what, act in (("commands.run", lambda: off.commands.run("true")),
+                          ("files.write", lambda: off.files.write("/tmp/kept", "after")),
+                          ("files.make_dir", lambda: off.files.make_dir("/tmp/d"))):
+            try:
+                act()
+            except SandboxNotRunningException as exc:
+                assert "auto_resume=False" in str(exc), exc
+            else:
+                raise AssertionError(f"{what} resumed a paused auto_resume=False sandbox")
+        assert off.get_info().state.value == "paused"
+        off.connect()
+        assert off.commands.run("cat /tmp/kept").stdout == "before"
+    finally:
+        off.kill()
 
 
 @_call("Sandbox.kill")

@@ -121,6 +121,10 @@ def sandbox() -> None:
               help="Cores.")
 @click.option("--memory", default=f"{DEFAULT_MEMORY_BYTES >> 20}MiB", show_default=True)
 @click.option("--ttl", type=float, default=None, help="Lifetime in seconds.")
+@click.option("--ttl-action", "ttl_action", type=click.Choice(["destroy", "pause"]),
+              default="destroy", show_default=True,
+              help="What the end of --ttl does: destroy, or pause (its clock stops while "
+                   "paused; resumed, it runs a whole --ttl again).")
 @click.option("--label", "labels", multiple=True, help="key=value, repeatable.")
 @click.option("--env", "env", multiple=True, metavar="KEY=VALUE",
               help="Environment of every exec in the sandbox (repeatable).")
@@ -147,7 +151,8 @@ def sandbox() -> None:
               help="CPU cap in cores (default: --cpu).")
 @conn_options
 def create(image: str, workspace: str | None, toolkits: tuple[str, ...], snapshot: str | None,
-           backend: str | None, cpu: float, memory: str, ttl: float | None, labels: tuple[str, ...],
+           backend: str | None, cpu: float, memory: str, ttl: float | None, ttl_action: str,
+           labels: tuple[str, ...],
            env: tuple[str, ...], disk: str | None, idle_timeout: float | None, idle_action: str,
            project: str | None, count: int, net_mode: str | None, allow: tuple[str, ...],
            deny: tuple[str, ...], qos: str | None, cpu_quota: float | None,
@@ -157,7 +162,8 @@ def create(image: str, workspace: str | None, toolkits: tuple[str, ...], snapsho
     lab = dict(_kv(x) for x in labels)
     kw = {"env": dict(_kv(x) for x in env), "disk": disk, "idle_timeout": idle_timeout,
           "idle_action": idle_action, "image": image, "workspace": workspace, "toolkits": toolkits, "snapshot": snapshot,
-          "backend": backend, "cpu": cpu, "memory": memory, "ttl": ttl, "labels": lab,
+          "backend": backend, "cpu": cpu, "memory": memory, "ttl": ttl,
+          "ttl_action": ttl_action, "labels": lab,
           "project": project, "detached": True, "qos": qos, "cpu_quota": cpu_quota,
           "isolation": isolation,
           "network": _policy(net_mode, allow, deny) if (net_mode or allow or deny) else None}

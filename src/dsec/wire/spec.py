@@ -216,9 +216,12 @@ MAX_LABEL_VALUE_CHARS = 1024
 # ``SandboxSpec.build_step``. The exceptions are labels the platform never trusts on
 # their word: ``dsec.io/session`` (the apiserver checks it names a live session of the
 # caller's), ``dsec.io/build`` (display only) and ``dsec.io/build-run`` (a builder's own
-# random token to find its build sandbox after an interrupted create).
+# random token to find its build sandbox after an interrupted create), and
+# ``e2b.dsec.io/auto-resume`` (E2B's ``auto_resume=False``: it only makes the E2B layer
+# refuse to resume the sandbox on a command or a write, docs/e2b.md).
 RESERVED_LABEL_DOMAIN = "dsec.io"
-CALLER_DSEC_LABELS = frozenset({"dsec.io/session", "dsec.io/build", "dsec.io/build-run"})
+CALLER_DSEC_LABELS = frozenset({"dsec.io/session", "dsec.io/build", "dsec.io/build-run",
+                                "e2b.dsec.io/auto-resume"})
 _BUILD_STEP = re.compile(r"^[0-9a-f]{64}$")
 
 

@@ -10,6 +10,7 @@ import socket
 from typing import Any
 
 from dsec.control.e2b.app import E2BApp, E2BConfig
+from dsec.control.e2b.coalesce import coalescing_protocol
 from dsec.errors import InvalidArgument, TransportError
 
 __all__ = ["E2BApp", "E2BConfig", "E2BServer", "start_e2b"]
@@ -24,10 +25,13 @@ class E2BServer:
     async def stop(self) -> None:
         await self.app.watchers.close()
         self.server.should_exit = True
-        try:
-            await asyncio.wait_for(self.task, 10.0)
-        except (TimeoutError, asyncio.CancelledError):
+        # in-flight requests finish (10 s at most); asyncio.wait neither cancels the
+        # server's task at its timeout nor swallows a cancel of this stop()
+        done, _ = await asyncio.wait({self.task}, timeout=10.0)
+        if not done:
             self.task.cancel()
+        elif not self.task.cancelled():
+            self.task.result()          # a server that failed says so, as before
 
 
 async def start_e2b(service: Any, listen: str, *, config: E2BConfig | None = None,
@@ -55,6 +59,11 @@ async def start_e2b(service: Any, listen: str, *, config: E2BConfig | None = Non
     port = sock.getsockname()[1]
     app = E2BApp(service, config)
     server, _ = uvicorn_server(app, limits, name=f"E2B listener {listen}")
+    # the small writes of one loop step leave as one (headers with the first body, the
+    # end of a stream with its terminator): dsec.control.e2b.coalesce
+    protocol = server.config.http
+    if isinstance(protocol, type):          # uvicorn_server's guarded protocol class
+        server.config.http = coalescing_protocol(protocol)
     scheme = "http"
     if tls_cert:
         # uvicorn builds its SSL context in Config.load() (run by serve()) from these;

@@ -27,7 +27,6 @@ run as, never a credential).
 from __future__ import annotations
 
 import ast
-import asyncio
 import base64
 import collections
 import contextlib
@@ -52,9 +51,10 @@ from dsec.control.api.service import ApiService, Caller, api_key_of
 from dsec.control.e2b import code as codeapi
 from dsec.control.e2b import connect as rpc
 from dsec.control.e2b import mapping
+from dsec.control.e2b.stream import ConnectStream
 from dsec.control.e2b.tokens import SandboxTokens, Scope, is_token
 from dsec.control.e2b.watchers import Watchers
-from dsec.control.replybudget import SentThenReleased, consumed, hold_replies
+from dsec.control.replybudget import consumed, hold_replies, releasing_send
 from dsec.errors import (
     DsecError,
     InvalidArgument,
@@ -96,6 +96,15 @@ ENVD_PORT = 49983
 CODE_PORT = 49999           # e2b-code-interpreter's (JUPYTER_PORT): dsec's run_code kernel
 _MAX_MESSAGE = 16 << 20
 _ENVD_PREFIXES = ("/process.Process/", "/filesystem.Filesystem/")
+# envd calls that resume a paused dsec sandbox (commands and writes; reads leave it
+# paused): refused on a paused sandbox created with auto_resume=False
+_ENVD_WRITES = frozenset(
+    [f"/process.Process/{m}" for m in ("Start", "SendInput", "SendSignal", "CloseStdin",
+                                       "Update")]
+    + [f"/filesystem.Filesystem/{m}" for m in ("MakeDir", "Remove", "Move",
+                                               "CreateWatcher")])
+#: What a route answers with: a Starlette response or a ConnectStream (an ASGI app each).
+_Answer = Callable[[Any, Any, Any], Awaitable[None]]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -215,6 +224,8 @@ class E2BApp:
         self.tokens = SandboxTokens(port_key if isinstance(port_key, bytes)
                                     else secrets.token_bytes(32))
         self._bash: dict[str, None] = {}     # sandboxes seen with /bin/bash (insertion order)
+        # sandbox -> created with auto_resume=False (bounded; learnt once per sandbox)
+        self._resume_off: dict[str, bool] = {}
         self._put = h(ops.WRITE_FILE)
         self._read = h(ops.READ_FILE)
         self._exec = h(ops.EXEC)
@@ -245,7 +256,21 @@ class E2BApp:
         # replies this request's response is made of stay charged until it is written
         # out (dsec.control.replybudget), as at the REST door and the gateway
         with hold_replies() as leases:
-            await SentThenReleased(self._logged, leases)(scope, receive, send)
+            released = releasing_send(send, leases)
+
+            async def door_send(message: Any) -> None:
+                # while the request holds no lease (a process stream, most envd calls)
+                # there is nothing to release: the plain send, without the wrapper's
+                # extra empty final message; from the first lease on, the wrapper
+                if leases:
+                    await released(message)
+                else:
+                    await send(message)
+            try:
+                await self._logged(scope, receive, door_send)
+            finally:
+                for lease in leases:
+                    lease.release()
 
     async def _logged(self, scope: Any, receive: Any, send: Any) -> None:
         if not access_enabled():
@@ -312,11 +337,12 @@ class E2BApp:
                 return
             if path.startswith(_ENVD_PREFIXES) or path in ("/files", "/health"):
                 sandbox = request.headers.get("e2b-sandbox-id") or ""
+        answer: _Answer
         if sandbox is not None:
-            resp = await self._envd(request, sandbox)
+            answer = await self._envd(request, sandbox)
         else:
-            resp = await self._control(request)
-        await resp(scope, receive, send)
+            answer = await self._control(request)
+        await answer(scope, receive, send)
 
     def _caller(self, request: Request, *names: str, sandbox: str | None = None,
                 scopes: tuple[Scope, ...] = ()) -> Caller:
@@ -468,12 +494,14 @@ class E2BApp:
             raise _E2BError(400, exc.message) from None
         key = request.headers.get("idempotency-key")
         info = await self.service.create(caller, req, idempotency_key=key)
+        self._note_resume(info)
         return _json(mapping.sandbox_created(info, *self._tokens_for(token, info.id)), 201)
 
     async def _connect(self, request: Request, caller: Caller, sid: str,
                        token: str) -> Response:
         body = await self._json_body(request)
         info = await self._live(caller, sid)
+        self._note_resume(info)
         status = 200
         if mapping.state_of(info) == "paused" or info.state == "pausing":
             info = await self._resume(caller, SandboxRef(id=sid))
@@ -565,8 +593,8 @@ class E2BApp:
         return _json([mapping.listed(i) for i in rows], 200, headers)
 
     # --------------------------------------------------------------------- envd
-    async def _envd(self, request: Request, sandbox: str) -> Response:
-        path = request.url.path
+    async def _envd(self, request: Request, sandbox: str) -> _Answer:
+        path: str = request.scope["path"]     # (request.url parses a whole URL)
         streaming = request.headers.get("content-type", "").startswith(
             "application/connect+")
         try:
@@ -577,6 +605,8 @@ class E2BApp:
                 return await self._health(request, sandbox)
             caller = self._caller(request, "x-access-token", "x-api-key", sandbox=sandbox,
                                   scopes=("envd",))
+            if path in _ENVD_WRITES or (path == "/files" and request.method == "POST"):
+                await self._no_silent_resume(caller, sandbox)
             if path == "/files":
                 return await self._files(request, caller, sandbox)
             if not path.startswith(_ENVD_PREFIXES):
@@ -588,17 +618,44 @@ class E2BApp:
             if path.startswith("/process.Process/"):
                 return await self._process(request, caller, sandbox, method, msg,
                                            streaming)
-            return await self._filesystem(caller, sandbox, method, msg, streaming,
-                                          user=_user_of(request))
+            return await self._filesystem(request, caller, sandbox, method, msg,
+                                          streaming, user=_user_of(request))
         except (DsecError, _E2BError) as exc:
             return self._rpc_error(exc, streaming, request)
         except Exception as exc:  # a bug: logged, answered as internal, never a trace
             log.exception("E2B envd %s failed", path)
             return self._rpc_error(exc, streaming, request)
 
+    def _note_resume(self, info: SandboxInfo) -> bool:
+        off = not mapping.auto_resume(info)
+        if len(self._resume_off) >= 4096 and info.id not in self._resume_off:
+            self._resume_off.pop(next(iter(self._resume_off)))
+        self._resume_off[info.id] = off
+        return off
+
+    async def _no_silent_resume(self, caller: Caller, sandbox: str) -> None:
+        """E2B's ``auto_resume=False``: a command or a write on the paused sandbox fails
+        as on E2B (its envd is not running: the SDK's ``SandboxNotRunningException``)
+        instead of dsec resuming it. Whether a sandbox has it off is learnt once (a
+        ``get``; a create or connect here notes it); only those are asked their state
+        per call."""
+        off = self._resume_off.get(sandbox)
+        info: SandboxInfo | None = None
+        if off is None:
+            info = await self._get(caller, SandboxRef(id=sandbox))
+            off = self._note_resume(info)
+        if not off:
+            return
+        if info is None:
+            info = await self._get(caller, SandboxRef(id=sandbox))
+        if mapping.state_of(info) == "paused" or info.state == "pausing":
+            raise _E2BError(502, f"The sandbox {sandbox[:80]} is paused and was created "
+                                 "with auto_resume=False, so it was not found running: "
+                                 "Sandbox.connect() resumes it")
+
     def _rpc_error(self, exc: BaseException, streaming: bool, request: Request) -> Response:
         code, message = self._rpc_code(exc, request)
-        if request.url.path in ("/files", "/health"):
+        if request.scope["path"] in ("/files", "/health"):
             # plain HTTP routes: an error of this layer keeps its own status (413 for an
             # upload past max_upload, 405 for a wrong method), not the Connect code's
             status = exc.status if isinstance(exc, _E2BError) else \
@@ -635,7 +692,7 @@ class E2BApp:
 
     # ---------------------------------------------------------------- processes
     async def _process(self, request: Request, caller: Caller, sandbox: str, method: str,
-                       msg: dict[str, Any], streaming: bool) -> Response:
+                       msg: dict[str, Any], streaming: bool) -> _Answer:
         """envd's ``process.Process`` on dsec's process table (the ``process_*`` rows:
         the sandbox's edge keeps each process, its output ring and its stdin, so any
         apiserver replica, and any client, reaches it)."""
@@ -703,7 +760,7 @@ class E2BApp:
         return any(p.pid == pid and p.pty for p in table.items)
 
     async def _start(self, request: Request, caller: Caller, sandbox: str,
-                     msg: dict[str, Any]) -> Response:
+                     msg: dict[str, Any]) -> _Answer:
         cfg = _obj(msg, "process")
         cmd = cfg.get("cmd")
         args = cfg.get("args") or []
@@ -765,62 +822,35 @@ class E2BApp:
         return True
 
     def _follow(self, request: Request, caller: Caller, sandbox: str, pid: int, *,
-                pty: bool, timeout_s: float | None) -> Response:
+                pty: bool, timeout_s: float | None) -> ConnectStream[ExecChunk | ExecResult]:
         """The Connect stream of process ``pid``: its start event, its output (what its
-        ring holds, then live), its end; a keep-alive event on a quiet stream."""
-        queue: asyncio.Queue[bytes | None] = asyncio.Queue(maxsize=64)
+        ring holds, then live), its end; a keep-alive event on a quiet stream
+        (:class:`ConnectStream`: written straight to ``send``, the end event and the
+        end-of-stream envelope in one final write)."""
+        def frame(item: ExecChunk | ExecResult) -> tuple[bytes, bool]:
+            if isinstance(item, ExecChunk):
+                return rpc.data_event("pty" if pty else item.stream,
+                                      base64.b64encode(item.data)), False
+            if item.timed_out:
+                why = f"the command ran past its timeout of {timeout_s}s and was killed"
+                return rpc.end_stream(("deadline_exceeded", why)), True
+            return rpc.envelope({"event": {"end": _end_event(item)}}) + rpc.END_OK, True
 
-        async def pump() -> None:
-            try:
-                await queue.put(rpc.envelope({"event": {"start": {"pid": pid}}}))
-                stream = await self._pconnect(caller, ProcessRef(id=sandbox, pid=pid))
-                async for item in stream:
-                    if isinstance(item, ExecChunk):
-                        key = "pty" if pty else item.stream
-                        await queue.put(rpc.envelope({"event": {"data": {
-                            key: mapping.b64(item.data)}}}))
-                    elif item.timed_out:
-                        why = (f"the command ran past its timeout of {timeout_s}s and was "
-                               "killed")
-                        await queue.put(rpc.end_stream(("deadline_exceeded", why)))
-                        return
-                    else:
-                        await queue.put(rpc.envelope({"event": {"end": _end_event(item)}}))
-                await queue.put(rpc.end_stream())
-            except DsecError as exc:
-                await queue.put(rpc.end_stream(self._rpc_code(exc, request)))
-            except Exception as exc:  # a bug: logged, ends the stream as internal
-                log.exception("E2B envd stream of process %s in %s failed", pid, sandbox)
-                await queue.put(rpc.end_stream(self._rpc_code(exc, request)))
-            finally:
-                await queue.put(None)
+        def on_error(exc: BaseException) -> bytes:
+            if not isinstance(exc, DsecError):  # a bug: logged, ends the stream as internal
+                log.error("E2B envd stream of process %s in %s failed", pid, sandbox,
+                          exc_info=exc)
+            return rpc.end_stream(self._rpc_code(exc, request))
 
-        keepalive = rpc.envelope({"event": {"keepalive": {}}})
-        ka = self.config.keepalive_s
-
-        async def body() -> AsyncIterator[bytes]:
-            task = asyncio.create_task(pump())
-            try:
-                while True:
-                    try:
-                        item = await asyncio.wait_for(queue.get(), ka)
-                    except TimeoutError:
-                        yield keepalive
-                        continue
-                    if item is None:
-                        return
-                    yield item
-            finally:
-                # the client went away (disconnect(), a closed stream): stop following;
-                # the process runs on, as envd's do, and a Connect reads it again
-                task.cancel()
-
-        return StreamingResponse(body(), media_type="application/connect+json")
+        return ConnectStream(
+            rpc.envelope({"event": {"start": {"pid": pid}}}),
+            lambda: self._pconnect(caller, ProcessRef(id=sandbox, pid=pid)), frame,
+            on_error, keepalive_s=self.config.keepalive_s)
 
     # --------------------------------------------------------------- filesystem
-    async def _filesystem(self, caller: Caller, sandbox: str, method: str,
-                          msg: dict[str, Any], streaming: bool, *,
-                          user: str | None = None) -> Response:
+    async def _filesystem(self, request: Request, caller: Caller, sandbox: str,
+                          method: str, msg: dict[str, Any], streaming: bool, *,
+                          user: str | None = None) -> _Answer:
         raw_path = msg.get("path")
         if method in ("Stat", "ListDir", "MakeDir", "Remove", "WatchDir",
                       "CreateWatcher") and (
@@ -863,12 +893,13 @@ class E2BApp:
                                                    overwrite=True, user=as_))
             return _json({"entry": mapping.entry_info(fi)})
         if method == "WatchDir" and streaming:
-            return self._watch_stream(caller, sandbox, path or "/",
-                                      bool(msg.get("recursive")))
+            return self._watch_stream(request, caller, sandbox, path or "/",
+                                      bool(msg.get("recursive")), user=as_)
         if method == "CreateWatcher":
-            fi = await self._stat(caller, FileRef(id=sandbox, path=path))
+            fi = await self._stat(caller, FileRef(id=sandbox, path=path, user=as_))
             if fi.type != "dir":
                 raise InvalidArgument(f"{path} is not a directory", field="path")
+            await self._may_watch(caller, sandbox, path, as_)
 
             async def probe(p: str) -> None:
                 await self._put(caller, WriteFile(id=sandbox, path=p, data=b""))
@@ -1251,35 +1282,44 @@ class E2BApp:
             raise PermissionDenied(f"as user {user!r} in sandbox {sandbox}: {why}")
 
     # ------------------------------------------------------------------ watches
-    def _watch_stream(self, caller: Caller, sandbox: str, path: str,
-                      recursive: bool) -> Response:
+    async def _may_watch(self, caller: Caller, sandbox: str, path: str,
+                         user: str | None) -> None:
+        """``watch_dir(user=u)``: ``u`` must be able to list the directory (inotify wants
+        read permission on it, and envd watches as the user): the edge lists it as
+        ``u`` (the kernel's refusal is the error). The watch itself is dsec's
+        ``file_watch``, with root's rights below it (docs/e2b.md, 'Gaps')."""
+        if user is None:
+            return
+        with consumed():        # a check: its reply is not written out
+            await self._list_dir(caller, FileRef(id=sandbox, path=path, user=user))
+
+    def _watch_stream(self, request: Request, caller: Caller, sandbox: str, path: str,
+                      recursive: bool, *, user: str | None = None,
+                      ) -> ConnectStream[FileEvent | WatchEnd]:
         """envd's streaming WatchDir on ``file_watch``: a start event, then one
-        ``filesystem`` event per change (a keep-alive on a quiet stream)."""
-        async def body() -> AsyncIterator[bytes]:
-            yield rpc.envelope({"event": {"start": {}}})
-            try:
-                stream = await self._watch_policy(caller, Watch(id=sandbox, path=path,
-                                                                recursive=recursive))
-                it = aiter(stream)
-                while True:
-                    try:
-                        item = await asyncio.wait_for(anext(it), self.config.keepalive_s)
-                    except TimeoutError:
-                        yield rpc.envelope({"event": {"keepalive": {}}})
-                        continue
-                    except StopAsyncIteration:
-                        break
-                    if isinstance(item, FileEvent):
-                        ev = mapping.fs_event(item, path)
-                        if ev is not None:
-                            yield rpc.envelope({"event": {"filesystem": ev}})
-                    else:
-                        break
-                yield rpc.end_stream()
-            except DsecError as exc:
-                exc = self.service.redact(exc)
-                yield rpc.end_stream((rpc.code_of(exc), exc.message))
-        return StreamingResponse(body(), media_type="application/connect+json")
+        ``filesystem`` event per change (a keep-alive on a quiet stream: the stream
+        stays open however long it is quiet). ``user``: checked as for CreateWatcher
+        (:meth:`_may_watch`); refused, the stream ends with the error."""
+        def frame(item: FileEvent | WatchEnd) -> tuple[bytes, bool]:
+            if isinstance(item, FileEvent):
+                ev = mapping.fs_event(item, path)
+                return (b"" if ev is None else
+                        rpc.envelope({"event": {"filesystem": ev}})), False
+            return rpc.END_OK, True
+
+        def on_error(exc: BaseException) -> bytes:
+            if not isinstance(exc, DsecError):
+                log.error("E2B envd watch of %s in %s failed", path[:200], sandbox,
+                          exc_info=exc)
+            return rpc.end_stream(self._rpc_code(exc, request))
+
+        async def open_() -> AsyncIterator[FileEvent | WatchEnd]:
+            await self._may_watch(caller, sandbox, path, user)
+            return await self._watch_policy(caller, Watch(id=sandbox, path=path,
+                                                          recursive=recursive))
+
+        return ConnectStream(rpc.envelope({"event": {"start": {}}}), open_, frame,
+                             on_error, keepalive_s=self.config.keepalive_s)
 
 
 # ListDir's whole answer (every level of a depth walk) is one JSON reply: bounded.

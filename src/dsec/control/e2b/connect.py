@@ -23,10 +23,12 @@ import json
 import struct
 from typing import Any
 
+import msgspec
+
 from dsec.errors import DsecError, InvalidArgument
 
-__all__ = ["END_STREAM", "HTTP_STATUS", "code_of", "decode_envelope", "end_stream",
-           "envelope", "error_body"]
+__all__ = ["END_OK", "END_STREAM", "HTTP_STATUS", "code_of", "data_event",
+           "decode_envelope", "end_stream", "envelope", "error_body", "frame"]
 
 END_STREAM = 0x02
 _COMPRESSED = 0x01
@@ -61,15 +63,42 @@ def error_body(code: str, message: str) -> dict[str, Any]:
     return {"code": code, "message": message}
 
 
-def envelope(message: dict[str, Any], flags: int = 0) -> bytes:
-    """One envelope: the 5-byte header and ``message`` as compact JSON."""
-    data = json.dumps(message, separators=(",", ":")).encode()
+_encode = msgspec.json.Encoder().encode
+
+
+def frame(data: bytes, flags: int = 0) -> bytes:
+    """One envelope of an already encoded JSON message ``data``."""
     return _HEADER.pack(flags, len(data)) + data
+
+
+def envelope(message: dict[str, Any], flags: int = 0) -> bytes:
+    """One envelope: the 5-byte header and ``message`` as compact JSON (msgspec: UTF-8,
+    no ``\\u`` escapes; any JSON parser reads it as ``json.dumps``' output). A string
+    msgspec cannot write as UTF-8 (a lone surrogate: a file name that is not UTF-8,
+    decoded with ``surrogateescape``) goes through ``json.dumps``, which escapes it."""
+    try:
+        data = _encode(message)
+    except UnicodeEncodeError:
+        data = json.dumps(message, separators=(",", ":")).encode()
+    return frame(data, flags)
+
+
+def data_event(stream: str, b64: bytes) -> bytes:
+    """A process ``DataEvent`` envelope: ``{"event":{"data":{stream: b64}}}``, built by
+    concatenation (``stream`` is ``stdout``, ``stderr`` or ``pty``; ``b64`` base64,
+    which JSON needs no escaping of)."""
+    return frame(b'{"event":{"data":{"' + stream.encode() + b'":"' + b64 + b'"}}}')
+
+
+#: The end-of-stream envelope of a stream that ended well (``{}``).
+END_OK = frame(b"{}", END_STREAM)
 
 
 def end_stream(error: tuple[str, str] | None = None) -> bytes:
     """The end-of-stream envelope: ``{}``, or the error ``(code, message)``."""
-    return envelope({} if error is None else {"error": error_body(*error)}, END_STREAM)
+    if error is None:
+        return END_OK
+    return envelope({"error": error_body(*error)}, END_STREAM)
 
 
 def decode_envelope(body: bytes, *, limit: int) -> dict[str, Any]:
@@ -87,11 +116,19 @@ def decode_envelope(body: bytes, *, limit: int) -> dict[str, Any]:
     return parse_message(body[_HEADER.size:])
 
 
+_decode = msgspec.json.Decoder().decode
+
+
 def parse_message(raw: bytes) -> dict[str, Any]:
     try:
-        msg = json.loads(raw) if raw else {}
-    except ValueError as exc:
-        raise InvalidArgument(f"the request message is not JSON: {exc}") from None
+        msg = _decode(raw) if raw else {}
+    except msgspec.DecodeError:
+        # what msgspec does not take (UTF-16/32 JSON, ...) is json's to accept or
+        # refuse, with its message
+        try:
+            msg = json.loads(raw)
+        except ValueError as exc:
+            raise InvalidArgument(f"the request message is not JSON: {exc}") from None
     if not isinstance(msg, dict):
         raise InvalidArgument("the request message must be a JSON object")
     return msg

@@ -98,12 +98,24 @@ def listed(info: SandboxInfo) -> dict[str, Any]:
     return {**_common(info), "state": state_of(info) or "running"}
 
 
+#: The label a create with ``autoResume: {"enabled": false}`` sets (caller-settable: it
+#: only ever makes the layer refuse a resume, never grants anything).
+AUTO_RESUME_LABEL = "e2b.dsec.io/auto-resume"
+
+
+def auto_resume(info: SandboxInfo) -> bool:
+    """Whether a command or a write resumes ``info`` when paused (E2B's autoResume): yes
+    unless it was created with ``auto_resume=False``."""
+    return info.spec.labels.get(AUTO_RESUME_LABEL) != "false"
+
+
 def sandbox_detail(info: SandboxInfo, token: str) -> dict[str, Any]:
     """``SandboxDetail`` (``GET /sandboxes/{id}``), with its ``lifecycle``: what its
-    timeout does, and ``autoResume`` true (dsec resumes any paused sandbox on a command
-    or a write). ``token``: the sandbox's envd token (as the create answer's)."""
+    timeout does, and ``autoResume`` (false only when created with it off: dsec resumes
+    a paused sandbox on a command or a write otherwise). ``token``: the sandbox's envd
+    token (as the create answer's)."""
     return {**listed(info), "envdAccessToken": token, "lifecycle": {
-        "autoResume": True,
+        "autoResume": auto_resume(info),
         "onTimeout": "pause" if info.spec.ttl_action == "pause" else "kill"}}
 
 
@@ -141,8 +153,8 @@ def create_request(body: dict[str, Any], *, max_ttl_s: float) -> CreateSandboxRe
                               field="autoResume")
     # autoPause: the timeout pauses (dsec's ttl_action="pause"); the pause keeps memory
     # whatever autoPauseMemory says. autoResume: dsec resumes a paused sandbox on any
-    # command or write (reads leave it paused: docs/sdk.md "Paused sandboxes"), asked
-    # for or not: accepted either way, never refused
+    # command or write (reads leave it paused: docs/sdk.md "Paused sandboxes"); with
+    # {"enabled": false} the layer refuses those instead (AUTO_RESUME_LABEL)
     for name in ("mcp", "iam", "volumeMounts", "network"):
         if body.get(name):
             raise InvalidArgument(f"{name} is not supported by dsec's E2B layer "
@@ -169,7 +181,10 @@ def create_request(body: dict[str, Any], *, max_ttl_s: float) -> CreateSandboxRe
         if not isinstance(d, dict) or not all(isinstance(k, str) and isinstance(v, str)
                                               for k, v in d.items()):
             raise InvalidArgument(f"{name} must map strings to strings", field=name)
-    return CreateSandboxRequest(image=template, labels=dict(meta), env=dict(env),
+    labels = dict(meta)
+    if isinstance(resume, dict) and resume.get("enabled") is False:
+        labels[AUTO_RESUME_LABEL] = "false"
+    return CreateSandboxRequest(image=template, labels=labels, env=dict(env),
                                 ttl_s=ttl, network=network,
                                 ttl_action="pause" if auto_pause else "destroy")
 
