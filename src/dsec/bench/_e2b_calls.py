@@ -271,9 +271,11 @@ def _auto_resume_off(t: E2BTarget) -> None:
         assert off.get_info().lifecycle["auto_resume"] is False
         off.files.write("/tmp/kept", "before")
         assert off.pause() is not False
-        for what, act in (("commands.run", lambda: off.commands.run("true")),
-                          ("files.write", lambda: off.files.write("/tmp/kept", "after")),
-                          ("files.make_dir", lambda: off.files.make_dir("/tmp/d"))):
+        acts: tuple[tuple[str, Callable[[], object]], ...] = (
+            ("commands.run", lambda: off.commands.run("true")),
+            ("files.write", lambda: off.files.write("/tmp/kept", "after")),
+            ("files.make_dir", lambda: off.files.make_dir("/tmp/d")))
+        for what, act in acts:
             try:
                 act()
             except SandboxNotRunningException as exc:
