@@ -110,3 +110,51 @@ def test_a_tenants_flood_on_a_healthy_store_does_not_fail_others_reads(tmp_path:
         trio.run(body)
     finally:
         fs.close()
+
+
+@dataclass(eq=False)
+class ThrottlingStore(SlowStore):
+    """S3 throttles per key prefix (503 SlowDown / 429): the store answers every
+    request, but refuses the one layer a tenant hammers; other layers read fine."""
+
+    hot: str = ""
+
+    def get_range(self, key: str, offset: int, length: int) -> bytes:
+        with self.lock:
+            self.calls += 1
+        if self.hot in key:
+            from dsec.errors import BlobUnavailable
+            raise BlobUnavailable(f"blob store {self.url}: read of {key}: HTTP 503 "
+                                  "SlowDown (throttled; test)", store=self.url, key=key)
+        return self._blob(key)[offset:offset + length]
+
+
+def test_one_layer_throttled_by_the_store_does_not_fail_other_layers(tmp_path: object
+                                                                      ) -> None:
+    """The same class of hole without any timing: the store *answers* (503/429 for the
+    one key prefix a tenant hammers) and that counts as "unreachable", so three misses of
+    the tenant's own layer open the breaker for every layer of the node."""
+    cache = os.path.join(str(tmp_path), "cache")
+    os.makedirs(cache)
+    hostile, hostile_data = _layer(cache, 4)
+    victim, victim_data = _layer(cache, 2)
+    store = ThrottlingStore({hostile: hostile_data, victim: victim_data}, delay=0.0,
+                            hot=hostile)
+    fs = LazyFs(store, FsConfig(cache_dir=cache, retry_budget_s=0.2, breaker_failures=3,
+                                breaker_open_s=5.0, breaker_max_open_s=5.0))  # type: ignore[arg-type]
+
+    async def body() -> None:
+        h = fs._load(hostile)
+        v = fs._load(victim)
+        assert h is not None and v is not None
+        for c in range(3):
+            assert await _read(fs, h.ino, c) == errno.EIO     # the tenant's own: refused
+        got = await _read(fs, v.ino, 0)
+        assert got == victim_data[:4096], (
+            f"a read of another layer failed with {got!r} at once: the breaker is "
+            f"{fs.breaker.state} because one key was throttled")
+
+    try:
+        trio.run(body)
+    finally:
+        fs.close()
