@@ -83,9 +83,10 @@ async def test_a_host_user_cannot_capture_an_adopted_sandboxs_runsc_commands(
     sid = new_sid()
     await backend.create(sid, SPEC)
     py = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else "python3"
-    spy = subprocess.Popen(["setpriv", "--reuid=4242", "--regid=4242", "--clear-groups",
-                            "--inh-caps=-all", py, "-I", "-c", LISTEN, sid],
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd="/")
+    spy = subprocess.Popen(  # noqa: ASYNC220 - a spy left running beside the test
+        ["setpriv", "--reuid=4242", "--regid=4242", "--clear-groups", "--inh-caps=-all",
+         py, "-I", "-c", LISTEN, sid],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd="/")
     try:
         assert spy.stdout is not None
         assert spy.stdout.readline().startswith(b"bound")
