@@ -52,17 +52,18 @@ for h in hits:
 """
 
 
-@pytest.fixture(params=["gvisor", "runc"])
+@pytest.fixture(params=["gvisor", "runc", "native"])
 async def backend(request: pytest.FixtureRequest, tmp_path: object,
                   images_dir: str) -> AsyncIterator[ContainerBackend]:
-    if shutil.which("runsc" if request.param == "gvisor" else "runc") is None:
+    if request.param != "native" and \
+            shutil.which("runsc" if request.param == "gvisor" else "runc") is None:
         pytest.skip(f"needs {request.param}")
     root = os.path.join(str(tmp_path), request.param)
     if request.param == "gvisor":
         b = make_backend("gvisor", root_dir=root, images=DirectoryImages(images_dir))
     else:
         b = ContainerBackend(root_dir=root, images=DirectoryImages(images_dir),
-                             runtime="runc")
+                             runtime="native" if request.param == "native" else "runc")
     assert isinstance(b, ContainerBackend)
     try:
         yield b
