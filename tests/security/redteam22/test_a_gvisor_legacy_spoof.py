@@ -97,7 +97,7 @@ async def test_a_host_user_cannot_capture_an_adopted_sandboxs_runsc_commands(
             shell="echo $SECRET", env={"SECRET": "tenant-secret-4242"}, timeout_s=20))
         got = b""
         if select.select([spy.stdout], [], [], 4.0)[0]:
-            got = spy.stdout.read1(65536)
+            got = os.read(spy.stdout.fileno(), 65536)
         # (seen on the current code: Signal, then ExecuteAsync with argv, envv holding
         # SECRET=tenant-secret-4242 and 3 stdio fds, then WaitPID; the forged answers
         # make the tenant's exec "succeed" with empty output)

@@ -71,7 +71,8 @@ def _layer(cache: str, chunks: int) -> tuple[str, bytes]:
 
 async def _read(fs: LazyFs, ino: int, chunk: int) -> bytes | int:
     try:
-        return await fs.read(ino, chunk * CS, 4096)
+        data: bytes = await fs.read(ino, chunk * CS, 4096)
+        return data
     except pyfuse3.FUSEError as exc:
         return exc.errno
 
@@ -85,7 +86,7 @@ def test_a_tenants_flood_on_a_healthy_store_does_not_fail_others_reads(tmp_path:
     store = SlowStore({hostile: hostile_data, victim: victim_data})
     fs = LazyFs(store, FsConfig(cache_dir=cache, retry_budget_s=0.3, max_inflight=1,
                                 breaker_failures=3, breaker_open_s=5.0,
-                                breaker_max_open_s=5.0))  # type: ignore[arg-type]
+                                breaker_max_open_s=5.0))
     results: list[bytes | int] = []
 
     async def body() -> None:
@@ -141,7 +142,7 @@ def test_one_layer_throttled_by_the_store_does_not_fail_other_layers(tmp_path: o
     store = ThrottlingStore({hostile: hostile_data, victim: victim_data}, delay=0.0,
                             hot=hostile)
     fs = LazyFs(store, FsConfig(cache_dir=cache, retry_budget_s=0.2, breaker_failures=3,
-                                breaker_open_s=5.0, breaker_max_open_s=5.0))  # type: ignore[arg-type]
+                                breaker_open_s=5.0, breaker_max_open_s=5.0))
 
     async def body() -> None:
         h = fs._load(hostile)
