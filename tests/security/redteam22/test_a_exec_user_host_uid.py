@@ -2,7 +2,8 @@
 tiers (no user namespace), so the host user with that uid reads the exec's environ (its
 env and the sandbox's spec env) and may ptrace it (no Yama on this host). Known, not
 fixed (docs/host-security.md "An exec's user is a host uid"): strict xfail for those
-tiers; gVisor (Sentry tasks, not host processes) is the passing control.
+tiers; gVisor (Sentry tasks, not host processes) and the native tier with
+``user_namespace=True`` (4242 inside is 100000+4242 on the host) are the passing controls.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import os
 import shutil
 from collections.abc import AsyncIterator
 
+import msgspec
 import pytest
 
 from dsec.edge.backends import make_backend
@@ -46,7 +48,7 @@ _KNOWN = pytest.mark.xfail(strict=True, reason="known, not fixed (docs/host-secu
 
 
 @pytest.fixture(params=[pytest.param("native", marks=_KNOWN),
-                        pytest.param("runc", marks=_KNOWN), "gvisor"])
+                        pytest.param("runc", marks=_KNOWN), "gvisor", "native-userns"])
 async def backend(request: pytest.FixtureRequest, tmp_path: object,
                   images_dir: str) -> AsyncIterator[ContainerBackend]:
     if request.param != "native" and \
@@ -57,7 +59,7 @@ async def backend(request: pytest.FixtureRequest, tmp_path: object,
         b = make_backend("gvisor", root_dir=root, images=DirectoryImages(images_dir))
     else:
         b = ContainerBackend(root_dir=root, images=DirectoryImages(images_dir),
-                             runtime=request.param)
+                             runtime=request.param.removesuffix("-userns"))
     assert isinstance(b, ContainerBackend)
     try:
         yield b
@@ -68,7 +70,8 @@ async def backend(request: pytest.FixtureRequest, tmp_path: object,
 
 async def test_a_exec_user_uid_is_not_a_host_users(backend: ContainerBackend) -> None:
     sid = new_sid()
-    await backend.create(sid, SPEC)
+    userns = "native-userns" in str(backend.root_dir)
+    await backend.create(sid, msgspec.structs.replace(SPEC, user_namespace=userns))
     secret = f"sk-live-fxa-{os.getpid()}"
     r = await backend.exec(sid, ExecRequest(argv=("sleep", "5"), env={"API_TOKEN": secret},
                                             user="4242:4242", background=True))

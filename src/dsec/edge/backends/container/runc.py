@@ -69,7 +69,7 @@ def process_spec(base: dict[str, Any], *, argv: Sequence[str], env: Sequence[str
     proc = dict(base)
     uid, _, gid = (user or "0:0").partition(":")
     if not uid.isdigit() or not (gid or "0").isdigit():
-        raise ValueError(f"user {user[:64]!r} is not uid[:gid] (numbers)")  # type: ignore[index]
+        raise ValueError(f"user {(user or '')[:64]!r} is not uid[:gid] (numbers)")
     proc.update(terminal=False, args=list(argv), cwd=cwd,
                 env=merge_env(base.get("env") or (), env),
                 user={"uid": int(uid), "gid": int(gid or 0)})
