@@ -61,7 +61,13 @@ the same directories) and the hardening in ``config.json`` are the runc driver's
   tests/security/hx_hardening/test_gvisor_control_socket.py). Every runsc command runs
   under ``nsenter --net=<root_dir>/control.netns`` (a namespace pinned there, kept across
   edge restarts so re-adopted sandboxes stay reachable; ~1 ms per command), and the
-  platform probe's ``runsc do`` in a throwaway one (``unshare --net``).
+  platform probe's ``runsc do`` in a throwaway one (``unshare --net``). Which sandboxes
+  an older edge left in the host netns is decided from root-written state (a mark per
+  sandbox, the Sentry's own socket inode), never from a name a host user can bind
+  (:meth:`RunscDriver._legacy`).
+- **An exec's argv, env, cwd and user** go in a 0600 ``--process`` file (as for runc,
+  :meth:`.runc.RuncDriver._process_file`), not on the command line of ``runsc exec`` or
+  of the waiter a background exec leaves on the host (red team 22, A3).
 - **Logs**: ``run``'s log goes to a pipe read only while ``run`` runs, then closed: the
   Sentry and gofer keep the log descriptor for their lives, and a file there would be
   host disk a sandbox could fill (warnings it provokes) after its unlink.
