@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
+
+import pytest
 
 from dsec.edge.backends.container import ContainerBackend
 from dsec.edge.backends.container.oci import oci_config
+from dsec.edge.backends.container.runc import RuncDriver, merge_env, process_spec
 from dsec.wire.spec import ExecRequest, SandboxSpec
 from tests.edge.container.conftest import SPEC, new_sid
 
@@ -58,6 +62,62 @@ def test_oci_seccomp_carries_the_native_profile() -> None:
     masked = {(n, r["args"][0]["value"]) for r in nested["syscalls"] if r.get("args")
               for n in r["names"] if n in ("unshare", "clone")}
     assert masked == {("unshare", CLONE_NEWCGROUP), ("clone", CLONE_NEWCGROUP)}
+
+
+def test_an_execs_env_merges_over_the_bundles_by_key() -> None:
+    """A ``--process`` file's env is used as given (no merge by runc/runsc), and getenv()
+    takes the first of duplicates: the exec's value must replace the bundle's in place."""
+    assert merge_env(["PATH=/bin", "A=1"], ["B=2", "PATH=/x", "A=3=4"]) == \
+        ["PATH=/x", "A=3=4", "B=2"]
+
+
+def test_the_process_file_keeps_the_bundles_hardening() -> None:
+    """``exec --process`` takes nothing from the bundle's process: capabilities, rlimits
+    and noNewPrivileges must come along, the exec's argv/env/cwd/user replace the rest."""
+    base = oci_config(spec=SPEC, hostname="h", cgroups_path="p", init_path="/i")["process"]
+    p = process_spec(base, argv=["sh", "-c", "x"], env=["SECRET=s"], cwd="/w", user="7:8")
+    assert p["args"] == ["sh", "-c", "x"] and p["cwd"] == "/w"
+    assert p["user"] == {"uid": 7, "gid": 8} and p["env"][-1] == "SECRET=s"
+    assert p["env"][0].startswith("PATH=") and p["terminal"] is False
+    for k in ("capabilities", "rlimits", "noNewPrivileges"):
+        assert p[k] == base[k]
+    assert process_spec(base, argv=["a"], env=[], cwd="/", user="5")["user"] == \
+        {"uid": 5, "gid": 0}
+    assert process_spec(base, argv=["a"], env=[], cwd="/", user=None)["user"] == \
+        {"uid": 0, "gid": 0}
+    with pytest.raises(ValueError, match="uid"):
+        process_spec(base, argv=["a"], env=[], cwd="/", user="5:staff")
+
+
+def test_a_dead_edges_process_files_are_swept(tmp_path: object) -> None:
+    """A process.json holds an exec's env (secrets): one a crash left is removed at the
+    next start (sweep_logs), one of this process is not."""
+    d = RuncDriver(binary="runc", root_dir=str(tmp_path), cgroup_parent="dsec-x")
+    dead = os.path.join(d.state_root, ".proc-deadowner-abc")
+    os.makedirs(dead)
+    Path(dead, "process.json").write_text("{}")
+    mine = os.path.join(d.state_root, f".proc-{d._owner}-abc")
+    os.makedirs(mine)
+    assert d.sweep_logs() == 1
+    assert not os.path.exists(dead) and os.path.isdir(mine)
+
+
+async def test_runc_exec_process_file_carries_the_exec_and_goes(
+        runc_backend: ContainerBackend) -> None:
+    """argv, env, cwd and user reach the command (through the 0600 process file), and the
+    file's directory is gone once the exec returned (foreground and background)."""
+    b = runc_backend
+    sid = new_sid()
+    await b.create(sid, SPEC)
+    await b.exec(sid, ExecRequest(shell="mkdir -p /tmp/w"))
+    r = await b.exec(sid, ExecRequest(shell="echo $T; pwd; id -u; id -g", env={"T": "v 1"},
+                                      cwd="/tmp/w", user="123:45"))
+    assert (r.exit_code, r.stdout) == (0, b"v 1\n/tmp/w\n123\n45\n"), r
+    bg = await b.exec(sid, ExecRequest(argv=("sleep", "1"), env={"T": "v"}, background=True))
+    assert bg.exit_code == 0
+    state = os.path.join(b.root_dir, "runc-state")
+    assert not [n for n in os.listdir(state) if n.startswith(".proc-")]
+    await b.destroy(sid)
 
 
 async def test_runc_create_exec_files_pause_destroy(runc_backend: ContainerBackend) -> None:

@@ -155,6 +155,30 @@ async def test_it_is_gvisor(backend: ContainerBackend) -> None:
         str(SPEC.pids_max + runsc_mod.SENTRY_PIDS)
 
 
+async def test_exec_takes_argv_env_cwd_user_from_a_process_file_it_removes(
+        backend: ContainerBackend) -> None:
+    """Red team 22, A3: ``runsc exec --process FILE`` (0600, in a 0700 dir of the state
+    dir), not ``--env K=V``/argv on the command line of a host process (the detached
+    waiter of a background exec lives as long as the command). The exec's env replaces
+    the bundle's PATH in place (a process file's env is used as given)."""
+    sid = new_sid()
+    await backend.create(sid, SPEC)
+    await sh(backend, sid, "mkdir -p /tmp/w")
+    r = await backend.exec(sid, ExecRequest(
+        shell="echo $T; pwd; id -u; id -g; echo $PATH", env={"T": "v 1", "PATH": "/bin"},
+        cwd="/tmp/w", user="123:45"))
+    assert (r.exit_code, r.stdout) == (0, b"v 1\n/tmp/w\n123\n45\n/bin\n"), r
+    bg = await backend.exec(sid, ExecRequest(argv=("sleep", "30"), env={"T": "zq-env"},
+                                             background=True))
+    assert bg.exit_code == 0
+    members = backend.governor.pids(backend.box(sid).cg)
+    waiters = [_cmdline(str(p)) for p in members]
+    assert any(c.startswith(b"runsc-exec") for c in waiters), waiters
+    assert not [c for c in waiters if b"zq-env" in c or b"sleep" in c], waiters
+    state = os.path.join(backend.root_dir, "runc-state")
+    assert not [n for n in os.listdir(state) if n.startswith(".proc-")]
+
+
 async def test_host_file_api_and_the_sentry_see_the_same_files(
         backend: ContainerBackend) -> None:
     sid = new_sid()

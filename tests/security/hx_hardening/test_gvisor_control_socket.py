@@ -148,3 +148,41 @@ async def test_a_sandbox_an_older_edge_started_stays_drivable(
     await backend.create(sid, SPEC)
     assert await sh(backend, sid, "echo new") == (0, "new\n")
     assert run_as(4242, CALL, sid)[1].startswith("refused")
+
+
+async def test_an_unmarked_sandbox_is_not_driven_at_a_host_users_socket(
+        backend: ContainerBackend) -> None:
+    """Red team 22 A1, the fallback: a sandbox with no mark (an edge that ran ``runsc
+    run`` in the control namespace but wrote none, before the mark existed) and a host
+    user's socket under its control name in the host netns: the name alone is not
+    trusted (its inode is not the Sentry's), so the commands stay in the namespace."""
+    import select
+    import subprocess
+
+    from dsec.edge.backends.container.runsc import CONTROL_MARK
+    from tests.security.redteam22.test_a_gvisor_legacy_spoof import LISTEN
+
+    drv = backend._runsc
+    assert drv is not None
+    sid = new_sid()
+    await backend.create(sid, SPEC)
+    os.unlink(os.path.join(drv.state_root, f"{sid}{CONTROL_MARK}"))
+    py = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else "python3"
+    spy = subprocess.Popen(  # noqa: ASYNC220 - a spy left running beside the test
+        ["setpriv", "--reuid=4242", "--regid=4242", "--clear-groups", "--inh-caps=-all",
+         py, "-I", "-c", LISTEN, sid], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        cwd="/")
+    try:
+        assert spy.stdout is not None
+        assert spy.stdout.readline().startswith(b"bound")
+        drv._legacy_known.clear()                 # as a restarted edge: nothing known
+        drv._host_sockets = None
+        assert await sh(backend, sid, "echo new") == (0, "new\n")
+        assert drv._legacy_known.get(sid) is False
+        got = b""
+        if select.select([spy.stdout], [], [], 1.0)[0]:
+            got = os.read(spy.stdout.fileno(), 65536)
+        assert b"GOT" not in got, got[:300]
+    finally:
+        spy.kill()
+        spy.wait()

@@ -9,16 +9,27 @@ Each exec is a ``runc exec`` process (Go, ~15-20 ms here): that cost is what the
 driver is measured against. A foreground exec runs in its own sub-cgroup (``runc exec
 --cgroup``), made and killed by the backend exactly as for the native driver; nothing here
 signals a pid number.
+
+**Nothing tenant-chosen goes on a command line.** ``runc exec``'s process (argv, env,
+cwd, user) is a ``process.json`` (``--process``) in a 0700 directory of the private
+state dir, 0600, removed when the exec returns: a host process's command line is
+world-readable (``/proc/<pid>/cmdline``, 0444, without hidepid), and ``--env KEY=VALUE``
+put every exec's secrets (API tokens in env) in front of every host user (red team 22,
+A3). The runsc driver does the same for ``runsc exec``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import os
+import shutil
+import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 from dsec import ownership
 from dsec.edge.backends.container import linux
@@ -31,10 +42,38 @@ from dsec.edge.governor import ExecCgroup
 from dsec.errors import BackendError, CannotRun, DsecError
 from dsec.wire.spec import ExecChunk, ExecRequest, ExecResult
 
-__all__ = ["RuncDriver"]
+__all__ = ["RuncDriver", "merge_env", "process_spec"]
 
 INIT = "/usr/bin/catatonit"
 PASSWD_MAX_BYTES = 1 << 20  # the sandbox's /etc/passwd is read as hostile: capped
+PROC_PREFIX = ".proc-"      # state_root/.proc-<owner>-*: an exec's process.json (0700 dir)
+
+
+def merge_env(base: Sequence[str], extra: Sequence[str]) -> list[str]:
+    """``base`` with ``extra`` applied over it by key (a later ``KEY=`` replaces the
+    earlier one in place; new keys are appended), as ``runc/runsc exec --env`` merge an
+    exec's variables into the container's (pure). A process file's env is used as given,
+    and a duplicate key would leave the program's getenv() the *first* one."""
+    out: dict[str, str] = {}
+    for e in (*base, *extra):
+        out[e.partition("=")[0]] = e
+    return list(out.values())
+
+
+def process_spec(base: dict[str, Any], *, argv: Sequence[str], env: Sequence[str],
+                 cwd: str, user: str | None) -> dict[str, Any]:
+    """The OCI process of one exec (pure): the bundle's own ``process`` (capabilities,
+    rlimits, noNewPrivileges: what ``exec`` without ``--process`` inherits) with the
+    exec's argv, env (merged over the bundle's, :func:`merge_env`), cwd and ``user``
+    (``uid[:gid]``, numeric; None: root)."""
+    proc = dict(base)
+    uid, _, gid = (user or "0:0").partition(":")
+    if not uid.isdigit() or not (gid or "0").isdigit():
+        raise ValueError(f"user {(user or '')[:64]!r} is not uid[:gid] (numbers)")
+    proc.update(terminal=False, args=list(argv), cwd=cwd,
+                env=merge_env(base.get("env") or (), env),
+                user={"uid": int(uid), "gid": int(gid or 0)})
+    return proc
 
 
 class RuncDriver:
@@ -49,6 +88,30 @@ class RuncDriver:
 
     #: the flag of ``run``/``exec`` that returns once the process started (runsc: --detach)
     detach_flag = "-d"
+
+    @contextlib.contextmanager
+    def _process_file(self, box: Box, *, argv: Sequence[str], env: Sequence[str],
+                      cwd: str, user: str | None) -> Iterator[str]:
+        """The path of a ``process.json`` for ``exec --process`` (module docstring): 0600
+        in a fresh 0700 directory of the private state dir, removed on the way out (one
+        an edge crash leaves is a dead owner's: :meth:`sweep_logs` removes it)."""
+        with open(os.path.join(box.dir, "config.json"), "rb") as f:
+            base = json.loads(f.read(1 << 22)).get("process") or {}
+        try:
+            spec = process_spec(base, argv=argv, env=env, cwd=cwd, user=user)
+        except ValueError as exc:
+            raise CannotRun(f"exec in sandbox {box.sid} could not start: {exc}",
+                            sandbox_id=box.sid, exit_code=126) from exc
+        d = tempfile.mkdtemp(prefix=f"{PROC_PREFIX}{self._owner}-", dir=self.state_root)
+        try:
+            path = os.path.join(d, "process.json")
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                         | os.O_CLOEXEC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                json.dump(spec, f)
+            yield path
+        finally:
+            shutil.rmtree(d, ignore_errors=True)
 
     def _global_args(self) -> list[str]:
         """Flags before the subcommand besides --root/--log (none for runc; runsc's
@@ -165,12 +228,17 @@ class RuncDriver:
         here. (A file named by a bare pid was kept while any process had that pid - a
         recycled pid kept a dead edge's file - and a reused pid could read a stale one.)"""
         n = 0
-        mine = f".log-{self._owner}-"
         for name in os.listdir(self.state_root):
-            if not name.startswith(".log-") or name.startswith(mine):
+            path = os.path.join(self.state_root, name)
+            if name.startswith(PROC_PREFIX):    # a dead edge's exec process.json dir
+                if not name.startswith(f"{PROC_PREFIX}{self._owner}-"):
+                    shutil.rmtree(path, ignore_errors=True)
+                    n += 1
+                continue
+            if not name.startswith(".log-") or name.startswith(f".log-{self._owner}-"):
                 continue
             try:
-                os.unlink(os.path.join(self.state_root, name))
+                os.unlink(path)
                 n += 1
             except FileNotFoundError:
                 pass
@@ -201,16 +269,20 @@ class RuncDriver:
         if cgroup is not None:
             sub = os.path.basename(cgroup.dir)
             args += ["--cgroup", sub if cgroup.version == 2 else f"freezer:{sub}"]
-        for e in env:
-            args += ["--env", e]
-        args += ["--cwd", req.cwd or "/"]
-        if req.user is not None:
-            args += ["--user", _numeric_user(box, req.user)]
+        user = _numeric_user(box, req.user) if req.user is not None else None
         pid_file = os.path.join(box.dir, f"exec-{time.monotonic_ns()}.pid")
         args += ["--pid-file", pid_file]
         if req.background:
             args.append("-d")
-        args += [box.sid, *argv]
+        with self._process_file(box, argv=argv, env=env, cwd=req.cwd or "/",
+                                user=user) as process:
+            return await self._exec(box, req, [*args, "--process", process, box.sid],
+                                    pid_file, on_chunk, kill, start_timeout_s, t0)
+
+    async def _exec(self, box: Box, req: ExecRequest, args: list[str], pid_file: str,
+                    on_chunk: Callable[[ExecChunk], None] | None,
+                    kill: Callable[[], object], start_timeout_s: float | None,
+                    t0: float) -> ExecResult:
         idle = box.spec.qos == "be"   # SCHED_IDLE, inherited by the command (see _cmd)
         if req.background:
             try:

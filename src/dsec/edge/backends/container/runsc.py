@@ -61,7 +61,13 @@ the same directories) and the hardening in ``config.json`` are the runc driver's
   tests/security/hx_hardening/test_gvisor_control_socket.py). Every runsc command runs
   under ``nsenter --net=<root_dir>/control.netns`` (a namespace pinned there, kept across
   edge restarts so re-adopted sandboxes stay reachable; ~1 ms per command), and the
-  platform probe's ``runsc do`` in a throwaway one (``unshare --net``).
+  platform probe's ``runsc do`` in a throwaway one (``unshare --net``). Which sandboxes
+  an older edge left in the host netns is decided from root-written state (a mark per
+  sandbox, the Sentry's own socket inode), never from a name a host user can bind
+  (:meth:`RunscDriver._legacy`).
+- **An exec's argv, env, cwd and user** go in a 0600 ``--process`` file (as for runc,
+  :meth:`.runc.RuncDriver._process_file`), not on the command line of ``runsc exec`` or
+  of the waiter a background exec leaves on the host (red team 22, A3).
 - **Logs**: ``run``'s log goes to a pipe read only while ``run`` runs, then closed: the
   Sentry and gofer keep the log descriptor for their lives, and a file there would be
   host disk a sandbox could fill (warnings it provokes) after its unlink.
@@ -140,6 +146,9 @@ log = logging.getLogger("dsec.edge.container.runsc")
 #: sandbox's own processes may number (each of them is also a host stub task on ptrace)
 SENTRY_PIDS = 256
 CONTROL_NETNS = "control.netns"   # under root_dir: the netns runsc commands run in
+#: ``<state_root>/<sid>.control-netns``: written (by root, in the 0700 state dir) before
+#: the ``runsc run`` of a sandbox whose control socket is in the control namespace
+CONTROL_MARK = ".control-netns"
 CREATE_TIMEOUT_S = 60.0           # a platform that hangs (kvm on PVM) must not hang create
 
 # Kills, from inside the sandbox, every task of session/process group $1 and every
@@ -381,6 +390,47 @@ def pin_control_netns(path: str) -> str:
     return path
 
 
+def control_inodes(net_unix: bytes, sid: str) -> set[int]:
+    """The inodes of the sockets named ``@runsc-sandbox.<sid>`` (with or without the
+    trailing NUL runsc binds) in a ``/proc/net/unix`` table (pure)."""
+    names = {f"@runsc-sandbox.{sid}".encode(), f"@runsc-sandbox.{sid}@".encode()}
+    out = set()
+    for line in net_unix.splitlines()[1:]:
+        parts = line.split()
+        if len(parts) >= 8 and parts[7] in names and parts[6].isdigit():
+            out.add(int(parts[6]))
+    return out
+
+
+def sandbox_pid(state_file: str) -> int | None:
+    """The Sentry's host pid recorded in a runsc container state file (None: unknown)."""
+    try:
+        with open(state_file, "rb") as f:
+            rec = json.loads(f.read(1 << 22))
+        box = rec.get("sandbox") or rec.get("Sandbox")   # (the 2022 build: lower case)
+        pid = box.get("pid", box.get("Pid"))
+    except (OSError, ValueError, AttributeError, TypeError):
+        return None
+    return pid if isinstance(pid, int) and pid > 1 else None
+
+
+def socket_inodes(pid: int | None) -> set[int]:
+    """The inodes of the sockets process ``pid`` holds open (empty: none, or gone)."""
+    out: set[int] = set()
+    if pid is None:
+        return out
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return out
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if link.startswith("socket:[") and link.endswith("]"):
+                out.add(int(link[8:-1]))
+    return out
+
+
 def _caller_mistake(err: str) -> int | None:
     """127 (no such program), 126 (no such cwd) for ``runsc exec``'s error text, or None."""
     if "failed to find initial working directory" in err:
@@ -425,16 +475,34 @@ class RunscDriver(RuncDriver):
             return []
         return ["nsenter", f"--net={self.control_netns}", "--"]
 
+    def _mark(self, sid: str) -> str:
+        return os.path.join(self.state_root, f"{sid}{CONTROL_MARK}")
+
     def _legacy(self, arg: str) -> bool:
         """Whether ``arg`` names a sandbox whose control socket is in the host's network
         namespace (started by an edge before the control namespace: it stays reachable
         by host users until it is recreated, and is logged once). Checked once per
-        sandbox, and only for names that have runsc state here."""
+        sandbox, and only for names that have runsc state here.
+
+        Decided from what only root writes, never from a name in the host's socket
+        table alone: abstract names are free for any host user to bind and sandbox ids
+        are public on the host, so "``@runsc-sandbox.<id>`` is listed" made a restarted
+        edge send a sandbox's execs (env, stdio fds) to a host user's socket (red team
+        22, A1). A sandbox this driver started has its mark (:data:`CONTROL_MARK`, in
+        the 0700 state dir): never legacy. One without (an older edge's) is legacy only
+        if the listed socket's inode is an open file of the sandbox's own Sentry
+        (its pid from the runsc state); else its commands stay in the control
+        namespace (where a truly unreachable one fails, rather than talk to a stranger)."""
         known = self._legacy_known.get(arg)
         if known is not None:
             return known
-        if not arg or arg[0] == "-" or "/" in arg or len(arg) > 128 or not os.path.exists(
-                os.path.join(self.state_root, f"{arg}_sandbox:{arg}.state")):
+        if not arg or arg[0] == "-" or "/" in arg or len(arg) > 128:
+            return False
+        state = os.path.join(self.state_root, f"{arg}_sandbox:{arg}.state")
+        if not os.path.exists(state):
+            return False
+        if os.path.exists(self._mark(arg)):
+            self._legacy_known[arg] = False
             return False
         now = time.monotonic()
         if self._host_sockets is None or now - self._host_sockets[0] > 5.0:
@@ -443,7 +511,13 @@ class RunscDriver(RuncDriver):
                     self._host_sockets = (now, f.read())
             except OSError:
                 self._host_sockets = (now, b"")
-        legacy = f"@runsc-sandbox.{arg}@".encode() in self._host_sockets[1]
+        inodes = control_inodes(self._host_sockets[1], arg)
+        legacy = bool(inodes) and bool(inodes & socket_inodes(sandbox_pid(state)))
+        if inodes and not legacy:
+            log.warning("gvisor sandbox %s: a socket named like its control socket is in "
+                        "the host's network namespace but is not its Sentry's (a host "
+                        "user's?): not used; its runsc commands stay in %s", arg,
+                        self.control_netns)
         if legacy:
             log.warning("gvisor sandbox %s was started by an older edge: its control socket "
                         "is in the host's network namespace, open to every host user, "
@@ -521,6 +595,11 @@ class RunscDriver(RuncDriver):
             json.dump(self._config(box), f)
         pid_file = os.path.join(box.dir, "init.pid")
         self._legacy_known[box.sid] = False   # started now, in the control namespace
+        if self._launcher([box.sid]):   # (an old driver's run, in tests, has no mark)
+            fd = os.open(self._mark(box.sid), os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+                         | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(self.control_netns)
         code, err = await self._run_piped_log(
             "run", "--detach", "--bundle", box.dir, "--pid-file", pid_file, box.sid)
         if code != 0:
@@ -535,9 +614,10 @@ class RunscDriver(RuncDriver):
         name=systemd), the rootfs mount. Not ``runsc delete --force``: it waits for the
         killed Sandbox process to be reaped by whoever its parent is now (``run``
         exits, so init), polling - 1.1-1.6 s per destroy here."""
-        for suffix in (".state", ".lock"):
+        for name in (f"{sid}_sandbox:{sid}.state", f"{sid}_sandbox:{sid}.lock",
+                     f"{sid}{CONTROL_MARK}"):
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(os.path.join(self.state_root, f"{sid}_sandbox:{sid}{suffix}"))
+                os.unlink(os.path.join(self.state_root, name))
         self._legacy_known.pop(sid, None)
         name = self.cgroup_parent.removeprefix("dsec-")
         try:
@@ -607,12 +687,10 @@ class RunscDriver(RuncDriver):
             # HOME is the user's from the sandbox's passwd, as the native driver does
             env = [e for e in env if not e.startswith("HOME=")]
             env.append(f"HOME={self._home(box, req.user)}")
-        for e in env:
-            args += ["--env", e]
-        args += ["--cwd", req.cwd or "/"]
+        user = None
         if req.user is not None:
             try:
-                args += ["--user", self._user(box, req.user)]
+                user = self._user(box, req.user)
             except CannotRun as exc:
                 if req.background:
                     raise
@@ -631,13 +709,17 @@ class RunscDriver(RuncDriver):
             # --pid-file is needed: without it this runsc appends its own --pid-file to
             # the command's argv (`sleep: invalid number '--pid-file=...'`)
             args += ["--detach", "--pid-file", pid_file]
-        # through the filter: runsc gives an exec'd process no OCI seccomp filter
-        args += [box.sid, NSEXEC_IN, "filter", SECCOMP_IN, *argv]
         try:
-            if req.background:
-                return await self._background(box, args, ipid_file, pid_file,
-                                              start_timeout_s, t0)
-            return await self._foreground(box, req, args, ipid_file, on_chunk, t0)
+            # argv, env, cwd, user in a 0600 process.json, never on the command line (the
+            # detached waiter of a background exec lives as long as the command); through
+            # the filter: runsc gives an exec'd process no OCI seccomp filter
+            with self._process_file(box, argv=[NSEXEC_IN, "filter", SECCOMP_IN, *argv],
+                                    env=env, cwd=req.cwd or "/", user=user) as process:
+                args += ["--process", process, box.sid]
+                if req.background:
+                    return await self._background(box, args, ipid_file, pid_file,
+                                                  start_timeout_s, t0)
+                return await self._foreground(box, req, args, ipid_file, on_chunk, t0)
         finally:
             for path in (ipid_file, pid_file):
                 with contextlib.suppress(FileNotFoundError):
