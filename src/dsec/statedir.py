@@ -19,15 +19,20 @@ ground floor, so the SDK finds a local cluster without importing the server (iss
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
+import logging
 import os
+import secrets
 import stat
+from collections.abc import Callable
 from typing import Any
 
 from dsec.errors import InvalidArgument
 
-__all__ = ["LOCAL_FILE", "check_path_is_ours", "default_state_dir", "ensure_private_dir",
-           "read_local"]
+__all__ = ["LOCAL_FILE", "check_path_is_ours", "create_private_file", "default_state_dir",
+           "ensure_private_dir", "read_local", "write_private_file"]
 
 #: What a running ``dsec up`` writes in its state dir for local clients (mode 0600).
 LOCAL_FILE = "local.json"
@@ -113,3 +118,110 @@ def check_path_is_ours(path: str, *, what: str = "state dir") -> None:
         if d == "/":
             break
         d = os.path.dirname(d)
+
+
+def _fsync_dir(path: str) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _staged(path: str, data: bytes) -> str:
+    """``data`` in a new 0600 file next to ``path`` (unique name, O_EXCL|O_NOFOLLOW:
+    never an existing file or a planted link), fsynced: ready to link or rename."""
+    tmp = f"{path}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                 0o600)
+    try:
+        os.fchmod(fd, 0o600)          # whatever the umask
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    os.close(fd)
+    return tmp
+
+
+def create_private_file(path: str, make: Callable[[], bytes]) -> bool:
+    """Make the secret/state file ``path`` (0600) holding ``make()`` unless it exists;
+    True when this call made it (or remade it). Callers then read and check what is there.
+
+    Whole or not at all: written to a temporary file, fsynced, then *linked* into place
+    (a link never replaces: two processes starting at once agree on the first one) and
+    the directory fsynced. The older way - ``O_CREAT|O_EXCL`` on the final name, then a
+    write - left an empty file on a kill -9, OOM kill or power loss between the two, which
+    every later start found, did not remake and refused: a crash loop until a human
+    deleted it (red team 22 A4). Such an empty file, regular and ours, is a crash's
+    leftover and nothing was ever made from it (every reader refuses an empty secret),
+    so it is replaced here (under a lock on the directory, so concurrent starts still
+    agree); any other existing content is the caller's to accept or explain."""
+    try:
+        st: os.stat_result | None = os.lstat(path)
+    except FileNotFoundError:
+        st = None
+    if st is not None and not _crash_leftover(st):
+        return False
+    tmp = _staged(path, make())
+    try:
+        if st is None:
+            try:
+                os.link(tmp, path)
+                _fsync_dir(os.path.dirname(os.path.abspath(path)))
+                return True
+            except FileExistsError:
+                try:
+                    st = os.lstat(path)
+                except FileNotFoundError:
+                    return False
+                if not _crash_leftover(st):
+                    return False
+        return _replace_leftover(path, tmp)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+
+
+def _crash_leftover(st: os.stat_result) -> bool:
+    return stat.S_ISREG(st.st_mode) and st.st_size == 0 and st.st_uid == os.geteuid()
+
+
+def _replace_leftover(path: str, tmp: str) -> bool:
+    d = os.path.dirname(os.path.abspath(path))
+    dfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        fcntl.flock(dfd, fcntl.LOCK_EX)
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            st = None
+        if st is not None and not _crash_leftover(st):
+            return False                  # another process remade it meanwhile
+        logging.getLogger(__name__).warning(
+            "%s was empty (left by a crash while it was being made): made it again", path)
+        os.replace(tmp, path)
+        os.fsync(dfd)
+        return True
+    finally:
+        os.close(dfd)
+
+
+def write_private_file(path: str, data: bytes) -> None:
+    """Replace ``path`` with ``data`` (0600), whole or not at all: a temporary file,
+    fsynced, renamed over it, the directory fsynced. A crash (or power loss) leaves the
+    old content or the new, never an empty or half-written file."""
+    tmp = _staged(path, data)
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    _fsync_dir(os.path.dirname(os.path.abspath(path)))

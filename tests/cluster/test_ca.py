@@ -400,3 +400,19 @@ def test_first_join_retries_an_unreachable_apiserver_then_gives_up(tmp_path):
                             clock=lambda: now[0], sleep=sleep)
     assert slept == [1.0, 1.0, 1.0]
     assert not NodeCredentials(str(tmp_path / "e" / "cluster")).exists()
+
+
+def test_a_crash_between_the_apiserver_key_and_its_certificate_is_recovered(tmp_path):
+    """Red team 22 A4 (same class): a kill -9 after ``apiserver.key`` was linked into
+    place and before ``apiserver.crt`` was: the next start must certify the key that is
+    on disk (it made a new one, kept the old - a link never replaces - and signed the
+    new: TLS refused the pair at every start)."""
+    import ssl
+
+    ca, _ = init_ca(str(tmp_path / "c"))
+    os.unlink(ca.apiserver_cert_path)           # the crash's state
+    again, created = init_ca(ca.dir)
+    assert not created
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.load_cert_chain(again.apiserver_cert_path, again.apiserver_key_path)   # a pair
+    again.client_context()

@@ -49,6 +49,7 @@ from dsec.errors import (
     Unauthenticated,
     error_from_wire,
 )
+from dsec.statedir import write_private_file
 
 __all__ = ["JoinedEdge", "prepare_joined_edge"]
 
@@ -202,11 +203,7 @@ def prepare_joined_edge(state_dir: str | None, *, join_url: str | None, token: s
 
 
 def _write_meta(path: str, url: str) -> None:
-    tmp = f"{path}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump({"url": url}, f)
-    os.replace(tmp, path)
+    write_private_file(path, json.dumps({"url": url}).encode())
 
 
 def _challenge(url: str, timeout: float) -> str:

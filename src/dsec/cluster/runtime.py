@@ -79,7 +79,13 @@ from dsec.edge.backends.container.disk import MIN_POOL_BYTES, POOL_SIZE_ENV, poo
 from dsec.errors import DsecError, InUse, InvalidArgument, TransportError
 from dsec.ids import parse_node_id
 from dsec.logs import AUDIT_FILE, AuditLog
-from dsec.statedir import LOCAL_FILE, ensure_private_dir, read_local
+from dsec.statedir import (
+    LOCAL_FILE,
+    create_private_file,
+    ensure_private_dir,
+    read_local,
+    write_private_file,
+)
 from dsec.wire.netpolicy import NetworkPolicy
 
 __all__ = ["ClusterConfig", "ClusterRuntime"]
@@ -223,12 +229,8 @@ def metrics_token_file(state_dir: str) -> str:
     """``<state_dir>/metrics.token`` (made once, 0600, random): the bearer token the
     edges' metrics listeners ask of a scraper (dsec.edge.metrics)."""
     path = os.path.join(state_dir, METRICS_TOKEN_FILE)
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    except FileExistsError:
-        return path
-    with os.fdopen(fd, "w") as f:
-        f.write(secrets.token_urlsafe(32) + "\n")
+    # whole or not at all; an empty one a crash left is made again (red team 22 A4)
+    create_private_file(path, lambda: (secrets.token_urlsafe(32) + "\n").encode())
     return path
 
 
@@ -255,23 +257,11 @@ def _port_token_key(state_dir: str) -> bytes:
     """The key of exposed ports' URL tokens (docs/ports.md), made once and kept in the
     (0700) state dir, 0600: a restarted apiserver still honours the URLs it handed out.
     Written whole to a temporary file and linked into place, so a crash never leaves a
-    short key, and two processes starting at once agree on one."""
+    short key, and two processes starting at once agree on one; an empty one (a crash of
+    an older version) is made again: no URL was ever signed with it
+    (:func:`dsec.statedir.create_private_file`)."""
     path = os.path.join(state_dir, "port-token.key")
-    if not os.path.exists(path):
-        tmp = f"{path}.{os.getpid()}.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
-                     0o600)
-        try:
-            os.write(fd, secrets.token_bytes(32))
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        try:
-            os.link(tmp, path)           # fails if another process linked its key first
-        except FileExistsError:
-            pass
-        finally:
-            os.unlink(tmp)
+    create_private_file(path, lambda: secrets.token_bytes(32))
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
         check_key_file(path, os.fstat(fd))
@@ -905,14 +895,13 @@ class ClusterRuntime:
 
     def _write_local(self) -> None:
         path = os.path.join(self.config.state_dir, LOCAL_FILE)
-        tmp = path + ".tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump({"url": self.url, "gateway": self.gateway_address,
-                       "api_key": self.admin_key, "pid": os.getpid(),
-                       "state_dir": self.config.state_dir,
-                       **({"e2b": self.e2b_url} if self.e2b_url else {})}, f)  # [e2b]
-        os.replace(tmp, path)
+        # fsynced before the rename: after a power loss an empty local.json lost the
+        # admin key to clients (a new one was bootstrapped)
+        write_private_file(path, json.dumps(
+            {"url": self.url, "gateway": self.gateway_address,
+             "api_key": self.admin_key, "pid": os.getpid(),
+             "state_dir": self.config.state_dir,
+             **({"e2b": self.e2b_url} if self.e2b_url else {})}).encode())  # [e2b]
 
     # ------------------------------------------------------------------ status
     def status(self) -> dict[str, int]:

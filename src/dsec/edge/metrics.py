@@ -56,6 +56,7 @@ from prometheus_client.registry import Collector
 from dsec.aether.limits import Admission, ProcessBudget, ServerLimits, process_budget
 from dsec.edge.usage import OP_BUCKETS, OpTimings
 from dsec.errors import InvalidArgument
+from dsec.statedir import create_private_file
 
 __all__ = ["OP_BUCKETS", "EdgeMetrics", "OpTimings", "authorized", "denied_samples",
            "lazy_families", "node_families", "read_token", "serve_metrics"]
@@ -146,21 +147,17 @@ def read_token(path: str, *, create: bool = False) -> bytes:
     """The scrape token in ``path`` (surrounding whitespace dropped). Refused unless
     only its owner (this user or root) may read it and it holds 16+ characters.
     ``create``: a missing file is made first (0600, a random token), so a unit or
-    DaemonSet can name a file in its state dir that the first start fills."""
+    DaemonSet can name a file in its state dir that the first start fills - whole or not
+    at all, and an empty one a crash left while it was made is made again
+    (:func:`dsec.statedir.create_private_file`; red team 22 A4: it was a crash loop)."""
     if create:
         import secrets
         try:
             os.makedirs(os.path.dirname(os.path.abspath(path)), mode=0o700, exist_ok=True)
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
-                         | os.O_CLOEXEC, 0o600)
-        except FileExistsError:
-            pass
+            create_private_file(path, lambda: (secrets.token_urlsafe(32) + "\n").encode())
         except OSError as exc:
             raise InvalidArgument(f"--metrics-token-file {path}: cannot create it: "
                                   f"{exc.strerror or exc}", field="metrics_token_file") from exc
-        else:
-            with os.fdopen(fd, "w") as f:
-                f.write(secrets.token_urlsafe(32) + "\n")
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as exc:
@@ -177,9 +174,11 @@ def read_token(path: str, *, create: bool = False) -> bytes:
                               "the token; chmod 600 it, owned by this user",
                               field="metrics_token_file")
     if len(data) < 16 or any(c <= 32 or c > 126 for c in data):
-        raise InvalidArgument(f"--metrics-token-file {path}: the token must be 16 or more "
-                              "printable characters without spaces",
-                              field="metrics_token_file")
+        made = (" (or remove the file: the edge makes a new token at its next start; "
+                "give it to the scrapers)") if create else ""
+        raise InvalidArgument(f"--metrics-token-file {path}: holds {len(data)} bytes; the "
+                              "token must be 16 or more printable characters without "
+                              f"spaces{made}", field="metrics_token_file")
     return data
 
 

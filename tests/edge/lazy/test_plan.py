@@ -15,6 +15,8 @@ from dsec.edge.lazy.plan import (
     Run,
     backoff_delays,
     chunk_span,
+    failure_scope,
+    judged_by_store,
     merge_runs,
 )
 
@@ -103,3 +105,23 @@ def test_breaker_refuses_nonsense() -> None:
     for kw in ({"failures": 0}, {"open_s": 0.0}, {"open_s": 5.0, "max_open_s": 1.0}):
         with pytest.raises(ValueError):
             Breaker(**kw)
+
+
+def test_failure_scope_tells_a_refused_key_from_a_store_down() -> None:
+    """An HTTP status is an answer: the store refuses that key (429/503 SlowDown), it is
+    not down (red team 22 A2); no status is no answer at all."""
+    assert failure_scope(503, "x") == "layer"
+    assert failure_scope(429, "x") == "layer"
+    assert failure_scope(None, "blob store s3://b: read k failed: Generic S3 error: ... "
+                               "non-2xx status code: 503 Service Unavailable: x") == "layer"
+    assert failure_scope(None, "blob store http://h: read 4 bytes at 0 of k: HTTP 429") \
+        == "layer"
+    assert failure_scope(None, "blob store http://h: read k: ConnectError: [Errno 111] "
+                               "Connection refused") == "store"
+    assert failure_scope(None, "no answer for 262144 bytes at 0 within 10s") == "store"
+    assert failure_scope("503", "connection reset") == "store"     # only ints count
+
+
+def test_a_request_sent_late_does_not_judge_the_store() -> None:
+    assert judged_by_store(10.0, 10.0) and judged_by_store(5.0, 10.0)
+    assert not judged_by_store(4.9, 10.0) and not judged_by_store(0.01, 0.3)

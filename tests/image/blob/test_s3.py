@@ -114,6 +114,9 @@ def test_5xx_and_short_bodies_are_retried_never_served(
     with pytest.raises(BlobUnavailable) as ei:
         store.get_range("k", 0, 262144)
     assert ei.value.detail["attempts"] == 4           # bounded
+    # the store answered: its status is in detail (the lazy breakers tell a key the
+    # store refuses from a store that is down by it, red team 22 A2)
+    assert ei.value.detail["status"] == 503
     assert time.monotonic() - t0 < 5.0
 
 

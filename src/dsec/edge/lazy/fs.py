@@ -50,7 +50,17 @@ from typing import Any
 import pyfuse3
 import trio
 
-from dsec.edge.lazy.plan import Breaker, ChunkLru, Run, backoff_delays, chunk_span, merge_runs
+from dsec.edge.lazy.plan import (
+    Breaker,
+    ChunkLru,
+    FailureScope,
+    Run,
+    backoff_delays,
+    chunk_span,
+    failure_scope,
+    judged_by_store,
+    merge_runs,
+)
 from dsec.errors import BlobUnavailable, DsecError
 from dsec.image.blob import BlobStore, layer_key
 from dsec.image.chunks import ChunkTable, verify_chunk
@@ -100,7 +110,9 @@ class FsConfig:
     breaker_failures: int = 3
     """Fetches in a row that ran out their retry budget on an unreachable store before
     the store's circuit breaker opens: misses then fail with EIO at once (no request)
-    until a half-open probe answers (:class:`~dsec.edge.lazy.plan.Breaker`)."""
+    until a half-open probe answers (:class:`~dsec.edge.lazy.plan.Breaker`). The same
+    count of fetches of one layer the store refused (429/5xx) opens that layer's own
+    breaker, not the store's."""
     breaker_open_s: float = 2.0
     """How long the breaker stays open before its probe; doubled after each failed
     probe, up to ``breaker_max_open_s``."""
@@ -125,6 +137,8 @@ class _Layer:
     trace_done: bool = False
     waiting: int = 0                                 # reads of this layer waiting on fetches
     limiter: trio.CapacityLimiter | None = None      # its share of the fetch slots
+    breaker: Breaker | None = None                   # the store refusing this layer's reads
+    refused_cause: str = ""
 
 
 @dataclass(slots=True)
@@ -146,6 +160,7 @@ class Stats:
     abandoned_fetches: int = 0           # blob reads given up at the retry budget
     late_chunks: int = 0                 # chunks such a read wrote after it was given up
     fast_failed_runs: int = 0            # fetches refused at once: the breaker was open
+    late_sent: int = 0                   # requests sent too late to judge the store by
     fetch_buckets: list[int] = field(default_factory=lambda: [0] * (len(FETCH_BUCKETS_S) + 1))
     fetch_seconds_sum: float = 0.0
     per_chunk: dict[tuple[str, int], int] = field(default_factory=dict)
@@ -172,7 +187,8 @@ class _Handoff:
 
 
 class _Queued(BlobUnavailable):
-    """A fetch that never got a slot within the retry budget: a busy node, not a down
+    """A fetch that never got a slot within the retry budget, or got one too late to be
+    judged by (:func:`~dsec.edge.lazy.plan.judged_by_store`): a busy node, not a down
     store (one sandbox flooding misses must not open the store's breaker for all)."""
 
 
@@ -232,7 +248,9 @@ class LazyFs(pyfuse3.Operations):
         if os.fstat(fd).st_size != table.size:
             os.ftruncate(fd, table.size)
         lay = _Layer(hx, table, self._next_ino, fd, limiter=trio.CapacityLimiter(
-            max(1, min(self.cfg.max_layer_inflight, self.cfg.max_inflight))))
+            max(1, min(self.cfg.max_layer_inflight, self.cfg.max_inflight))),
+            breaker=Breaker(self.cfg.breaker_failures, self.cfg.breaker_open_s,
+                            self.cfg.breaker_max_open_s))
         self._next_ino += 1
         lay.stale = set(_data_chunks(fd, table))
         for i in sorted(lay.stale):
@@ -417,36 +435,67 @@ class LazyFs(pyfuse3.Operations):
         started = time.monotonic()
         delays = backoff_delays(self.cfg.retry_budget_s, rng=self.rng)
         cause = ""
-        down = False
+        # what this fetch's failures said (the latest that said anything): the store
+        # gave no answer ("store"), or it refused this layer ("layer"); None: nothing
+        scope: FailureScope | None = None
         fast = False
+        lb = lay.breaker
+        assert lb is not None
         try:
             while todo:
                 unreachable = False
                 for r in merge_runs(todo, self._run_cap(lay, None)):
-                    admit = self.breaker.admit(time.monotonic())
+                    now = time.monotonic()
+                    admit = self.breaker.admit(now)
                     if admit is None:
                         fast = True
                         raise _FetchFailed(self._open_cause())
+                    ladmit = lb.admit(now)
+                    if ladmit is None:
+                        if admit == "probe":
+                            self.breaker.probe_lost(now)    # not sent: says nothing
+                        fast = True
+                        raise _FetchFailed(self._refused_cause(lay))
                     try:
                         got = await self._request(lay, r, prefetch,
                                                   started + self.cfg.retry_budget_s)
                     except (DsecError, OSError) as exc:
                         cause = f"{type(exc).__name__}: {exc}"
-                        # unreachable (refused, 5xx, timeouts, the budget) - not an
-                        # answer such as a missing key
-                        down = isinstance(exc, (BlobUnavailable, OSError)) \
-                            and not isinstance(exc, _Queued)
-                        if admit == "probe":
-                            if isinstance(exc, _Queued):
-                                self.breaker.probe_lost(time.monotonic())
+                        now = time.monotonic()
+                        if isinstance(exc, _Queued):
+                            # never sent, or sent too late to be judged: no evidence
+                            if admit == "probe":
+                                self.breaker.probe_lost(now)
+                            if ladmit == "probe":
+                                lb.probe_lost(now)
+                            if "probe" in (admit, ladmit):
                                 raise _FetchFailed(cause) from None
-                            if down:
-                                self._breaker_failure(cause, probe=True)
-                                raise _FetchFailed(cause) from None
-                            self._breaker_success()     # an answer: the store is up
+                        elif isinstance(exc, (BlobUnavailable, OSError)):
+                            status = exc.detail.get("status") \
+                                if isinstance(exc, DsecError) else None
+                            scope = failure_scope(status, str(exc))
+                            if scope == "layer":
+                                # the store answered: it is up, it refuses this layer
+                                self._breaker_success()
+                                if ladmit == "probe":
+                                    self._layer_failure(lay, cause, probe=True)
+                                    raise _FetchFailed(cause) from None
+                            else:
+                                if admit == "probe":
+                                    self._breaker_failure(cause, probe=True)
+                                    raise _FetchFailed(cause) from None
+                                if ladmit == "probe":
+                                    lb.probe_lost(now)      # says nothing of the layer
+                        else:
+                            # an answer such as a missing key: both are up
+                            if admit == "probe":
+                                self._breaker_success()
+                            if ladmit == "probe":
+                                self._layer_success(lay)
                         unreachable = True
                         break
                     self._breaker_success()
+                    self._layer_success(lay)
                     for i in got.bad:
                         self.stats.verify_failures += 1
                         if i in bad_seen:
@@ -467,8 +516,10 @@ class LazyFs(pyfuse3.Operations):
                 d = next(delays, None)
                 # bounded in wall time too: one blob call may itself retry for a while
                 if d is None or time.monotonic() - started + d > self.cfg.retry_budget_s:
-                    if down:
+                    if scope == "store":
                         self._breaker_failure(cause)
+                    elif scope == "layer":
+                        self._layer_failure(lay, cause)
                     raise _FetchFailed(cause)
                 self.stats.retries += 1
                 await trio.sleep(d)
@@ -499,6 +550,27 @@ class LazyFs(pyfuse3.Operations):
                 f"{self._down_cause[:300]}): reads of chunks not cached on this node fail "
                 "at once until a probe request answers (next in "
                 f"{self.breaker.retry_in(time.monotonic()):.1f}s)")
+
+    def _refused_cause(self, lay: _Layer) -> str:
+        assert lay.breaker is not None
+        return (f"the blob store {self.blob.url} refuses reads of layer sha256:{lay.hex} "
+                f"({self.cfg.breaker_failures} fetches of it in a row were refused; "
+                f"last: {lay.refused_cause[:300]}): reads of its chunks not cached on this "
+                "node fail at once until a probe request is answered (next in "
+                f"{lay.breaker.retry_in(time.monotonic()):.1f}s); other layers are "
+                "unaffected")
+
+    def _layer_failure(self, lay: _Layer, cause: str, *, probe: bool = False) -> None:
+        assert lay.breaker is not None
+        lay.refused_cause = cause
+        if lay.breaker.failure(time.monotonic(), probe=probe):
+            _emit({"ev": "layer_refused", "store": self.blob.url, "layer": lay.hex,
+                   "cause": cause[:500], "open_s": lay.breaker.open_s})
+
+    def _layer_success(self, lay: _Layer) -> None:
+        assert lay.breaker is not None
+        if lay.breaker.success():
+            _emit({"ev": "layer_served", "store": self.blob.url, "layer": lay.hex})
 
     def _breaker_failure(self, cause: str, *, probe: bool = False) -> None:
         self._down_cause = cause
@@ -560,17 +632,17 @@ class LazyFs(pyfuse3.Operations):
 
         assert lay.limiter is not None
         self.stats.requests += 1
-        sent = False
+        sent: float | None = None
         with trio.move_on_after(max(0.0, deadline - time.monotonic())) as scope:
             async with contextlib.AsyncExitStack() as slots:
                 if limiter is not None:
                     await slots.enter_async_context(limiter)
                 await slots.enter_async_context(lay.limiter)
                 await slots.enter_async_context(self.fetch_limiter)
-                sent = True
+                sent = time.monotonic()
                 got = await trio.to_thread.run_sync(work, abandon_on_cancel=True)
         if scope.cancelled_caught:
-            if not sent:
+            if sent is None:
                 # never got a fetch slot: this node's own queue, not the store, was slow
                 raise _Queued(
                     f"blob store {self.blob.url}: {length} bytes at {off} of layer "
@@ -583,6 +655,16 @@ class LazyFs(pyfuse3.Operations):
                 finished = hand.done     # it ended as we gave up: its result is ours
             if finished and hand.written:
                 self._adopt_late(lay, list(hand.written))
+            on_wire = deadline - sent
+            if not judged_by_store(on_wire, self.cfg.retry_budget_s):
+                # it got its slot with little of the budget left (this node's queue):
+                # no answer within that says nothing about the store (red team 22 A2)
+                self.stats.late_sent += 1
+                raise _Queued(
+                    f"blob store {self.blob.url}: {length} bytes at {off} of layer "
+                    f"{t.digest} got no answer in the {on_wire:.2f}s left of the retry "
+                    f"budget of {self.cfg.retry_budget_s:g}s after waiting for a fetch "
+                    "slot (this node's fetches are saturated)", store=self.blob.url)
             raise BlobUnavailable(
                 f"blob store {self.blob.url}: no answer for {length} bytes at {off} of "
                 f"layer {t.digest} within the retry budget of {self.cfg.retry_budget_s:g}s",
@@ -723,7 +805,11 @@ class LazyFs(pyfuse3.Operations):
             "evictions": s.evictions, "prefetched_chunks": s.prefetched_chunks,
             "shed_reads": s.shed_reads, "abandoned_fetches": s.abandoned_fetches,
             "late_chunks": s.late_chunks, "fast_failed_runs": s.fast_failed_runs,
+            "late_sent": s.late_sent,
             "breaker_state": self.breaker.state, "breaker_opens": self.breaker.opens,
+            "refused_layers": sum(1 for lay in self.layers.values()
+                                  if lay.breaker is not None
+                                  and lay.breaker.state != "closed"),
             "cache_bytes": self.lru.bytes, "cache_budget_bytes": self.lru.budget_bytes,
             "fetch_buckets": list(s.fetch_buckets), "fetch_bounds": list(FETCH_BUCKETS_S),
             "fetch_seconds_sum": s.fetch_seconds_sum,

@@ -232,6 +232,11 @@ class LazyLayers:
                             ev.get("open_s"), ev.get("cause"))
             elif ev.get("ev") == "store_up":
                 log.warning("blob store %s answers again", ev.get("store"))
+            elif ev.get("ev") == "layer_refused":
+                log.warning("blob store %s refuses reads of layer sha256:%s: its uncached "
+                            "chunks fail at once for %ss (then one probe); other layers "
+                            "unaffected: %s", ev.get("store"), ev.get("layer"),
+                            ev.get("open_s"), ev.get("cause"))
             if self.on_event is not None:
                 try:
                     self.on_event(ev)
@@ -520,7 +525,8 @@ class LazyLayers:
 _COUNTERS = ("reads", "bytes_read", "chunk_hits", "chunk_misses", "waits", "requests",
              "chunk_fetches", "bytes_fetched", "retries", "verify_failures", "failed_reads",
              "evictions", "prefetched_chunks", "fetch_seconds_sum", "shed_reads",
-             "abandoned_fetches", "late_chunks", "fast_failed_runs", "breaker_opens")
+             "abandoned_fetches", "late_chunks", "fast_failed_runs", "breaker_opens",
+             "late_sent")
 
 
 def _add_counters(carried: dict[str, Any], now: dict[str, Any]) -> dict[str, Any]:

@@ -5,12 +5,14 @@ drops. No I/O, no clock: the daemon (:mod:`dsec.edge.lazy.fs`) feeds these."""
 from __future__ import annotations
 
 import random
+import re
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["Breaker", "ChunkLru", "Run", "backoff_delays", "chunk_span", "merge_runs"]
+__all__ = ["SENT_SHARE", "Breaker", "ChunkLru", "FailureScope", "Run", "backoff_delays",
+           "chunk_span", "failure_scope", "judged_by_store", "merge_runs"]
 
 ChunkKey = tuple[str, int]
 """(layer digest hex, chunk index)."""
@@ -125,6 +127,42 @@ class ChunkLru:
 Admit = Literal["pass", "probe"]
 
 
+FailureScope = Literal["store", "layer"]
+"""What a failed blob read says: ``"store"`` - the store could not be reached (refused,
+reset, a timeout): every layer's reads would fail alike; ``"layer"`` - the store *answered*,
+refusing this one object (429, 503 SlowDown, a 5xx for that key): it is up."""
+
+#: The status a blob client put in the error's message when it set none in ``detail``
+#: (obstore: "... non-2xx status code: 503 Service Unavailable"; http: "... HTTP 429").
+_STATUS = re.compile(r"\b(?:HTTP|status code:?|status:)\s*([1-5]\d\d)\b")
+
+
+def failure_scope(status: object, message: str) -> FailureScope:
+    """Classify a :class:`~dsec.errors.BlobUnavailable` (``status``: its ``detail``
+    entry, if any). An HTTP status means the store answered: it refuses *this key*
+    (S3 throttles per key prefix, so one tenant hammering its own layer gets 503 SlowDown
+    while other layers read fine, red team 22 A2) - never evidence that the store is down
+    for every layer. No status: the request got no answer at all."""
+    if isinstance(status, int) and 100 <= status <= 599:
+        return "layer"
+    return "layer" if _STATUS.search(message) else "store"
+
+
+#: A request given up at its fetch's deadline is evidence against the store only if it
+#: was on the wire for at least this share of the retry budget.
+SENT_SHARE = 0.5
+
+
+def judged_by_store(on_wire_s: float, budget_s: float) -> bool:
+    """Was a request abandoned at its deadline given a fair chance by the store's side?
+    A fetch's deadline counts from the read's start, its wait for a fetch slot included;
+    a request that got its slot with milliseconds left and was abandoned says that this
+    node's queue was long (one tenant's miss flood), not that the store is down: counted
+    against the store, three such in a row opened the breaker for every tenant though the
+    store answered every request (red team 22 A2)."""
+    return on_wire_s >= SENT_SHARE * budget_s
+
+
 class Breaker:
     """The blob store's circuit breaker: after ``failures`` fetches in a row ran out
     their retry budget on an unreachable store, it **opens** - misses fail with EIO at
@@ -136,9 +174,14 @@ class Breaker:
     Why: without it, every read of an uncached chunk during an outage waits the whole
     retry budget (10 s) before its EIO, and a sandbox walking a tree of N missing files
     hangs N x 10 s; with it, the first ``failures`` x budget seconds find the store down
-    and the rest of the outage costs one request per ``open_s``. Only an unreachable
-    store counts (connection refused, 5xx, timeouts, the budget running out), never a
-    corrupt chunk or a missing key: those say nothing about other layers' reads.
+    and the rest of the outage costs one request per ``open_s``.
+
+    The daemon keeps one for the store and one per layer. The store's counts only a
+    store that gave no answer (refused, reset, timeouts of requests that were on the
+    wire for a fair share of the budget: :func:`judged_by_store`); a layer's counts the
+    store *refusing* that layer (429/5xx: :func:`failure_scope`), so one tenant whose
+    hammered key the store throttles fails its own layer's reads fast, not everyone's.
+    A corrupt chunk or a missing key counts in neither: they are answers.
 
     Pure: ``now`` (monotonic seconds) is passed in."""
 

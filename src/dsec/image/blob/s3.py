@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -57,6 +58,9 @@ __all__ = ["MIN_PART_SIZE", "S3BlobStore"]
 #: S3 refuses parts under 5 MiB (but the last).
 MIN_PART_SIZE = 5 * 1024 * 1024
 DEFAULT_PART_SIZE = 8 * 1024 * 1024
+#: The HTTP status in an obstore error ("... non-2xx status code: 503 Service Unavailable",
+#: its debug part "status: 503"); obstore 0.12 has no attribute for it.
+_STATUS = re.compile(r"\bstatus(?: code)?:\s*([1-5]\d\d)\b")
 _URL_KEYS = frozenset({"endpoint_url", "region", "virtual_hosted"})
 _SECRET_HINTS = ("secret", "key", "token", "password", "credential", "signature")
 
@@ -157,10 +161,15 @@ class S3BlobStore:
                 "in AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY and the bucket policy",
                 store=self.url, key=key) from exc
         # obstore's message names the request (method, URL path, status); never a
-        # credential (signatures live in headers it does not print)
+        # credential (signatures live in headers it does not print). The status, when
+        # the store answered one, goes in ``detail`` as the HTTP store's does: a 503
+        # SlowDown for one key is the store refusing that key, not the store down
+        # (the lazy daemon's breakers tell them apart, red team 22 A2).
+        m = _STATUS.search(str(exc))
         raise BlobUnavailable(f"blob store {self.url}: {what} {key} failed: "
                               f"{str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__}",
-                              store=self.url, key=key) from exc
+                              store=self.url, key=key,
+                              status=int(m.group(1)) if m else None) from exc
 
     def _guard(self, key: str, what: str, fn: Callable[[], Any]) -> Any:
         try:
