@@ -20,6 +20,7 @@ depth bound, no RecursionError handling). Before, the per-sandbox tmpfs was unmo
 from __future__ import annotations
 
 import os
+import subprocess
 
 import pytest
 
@@ -48,8 +49,11 @@ def test_remove_scratch_dir_of_a_deep_tree_removes_it(tmp_path: object) -> None:
     sid = "sb-deep"
     os.makedirs(os.path.join(scratch, sid, "tmp"))
     _deep(os.path.join(scratch, sid, "tmp"), DEPTH)
-    left = remove_scratch_dir(scratch, sid)      # raises RecursionError today
-    assert not os.path.lexists(os.path.join(scratch, sid)), left
+    try:
+        left = remove_scratch_dir(scratch, sid)      # raises RecursionError today
+        assert not os.path.lexists(os.path.join(scratch, sid)), left
+    finally:   # (pytest's own tmp cleanup recurses too: rm -rf walks iteratively)
+        subprocess.run(["rm", "-rf", os.path.join(scratch, sid)], check=False)
 
 
 @pytest.mark.root
