@@ -25,6 +25,7 @@ import pytest
 from dsec.edge.backends.container import census
 from dsec.edge.governor import all_leaf_dirs
 from dsec.errors import DsecError
+from tests.edge.container.conftest import images_dir  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.skipif(
     not any(" - cgroup " in ln for ln in open("/proc/self/mountinfo")),
@@ -55,3 +56,43 @@ def test_cgroup_names_x_and_x_be_never_share_a_cgroup_dir(tmp_path: object) -> N
         assert census._owner(d) == "rt22b.be", (
             f"{d} (backend 'rt22b.be''s parent) is attributed to {census._owner(d)!r}: "
             "reap_orphan_names of that name removes it with its tasks")
+
+
+@pytest.mark.root
+async def test_reconcile_of_backend_x_leaves_backend_x_be_sandboxes_alone(
+        tmp_path: object, images_dir: str) -> None:  # noqa: F811
+    """The same collision with real backends: backend ``rt22c`` reconciling at its start
+    takes backend ``rt22c.be``'s running sandbox for its own leftover and kills it."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root")
+    from dsec.edge.backends.container import ContainerBackend, DirectoryImages
+    from dsec.wire.spec import ExecRequest
+    from tests.edge.container.conftest import SPEC, _cleanup, new_sid
+
+    base = str(tmp_path)
+    try:
+        other = ContainerBackend(root_dir=os.path.join(base, "rb"),
+                                 images=DirectoryImages(images_dir), cgroup_name="rt22c.be")
+    except DsecError:
+        return      # refused at claim: the collision cannot happen
+    mine = None
+    try:
+        sid = new_sid()
+        await other.create(sid, SPEC)
+        try:
+            mine = ContainerBackend(root_dir=os.path.join(base, "ra"),
+                                    images=DirectoryImages(images_dir), cgroup_name="rt22c")
+        except DsecError:
+            return
+        found = await mine.reconcile(set())
+        try:
+            r = await other.exec(sid, ExecRequest(shell="echo alive"))
+            ok, what = r.exit_code == 0 and b"alive" in r.stdout, repr(r)
+        except DsecError as exc:
+            ok, what = False, str(exc)
+        assert ok, (f"backend 'rt22c' reconciled away backend 'rt22c.be''s sandbox {sid} "
+                    f"(leftovers it found: {found}); exec now: {what}")
+    finally:
+        if mine is not None:
+            await _cleanup(mine)
+        await _cleanup(other)
