@@ -27,9 +27,13 @@ from dsec.edge.governor import all_leaf_dirs
 from dsec.errors import DsecError
 from tests.edge.container.conftest import images_dir  # noqa: F401  (fixture)
 
-pytestmark = pytest.mark.skipif(
-    not any(" - cgroup " in ln for ln in open("/proc/self/mountinfo")),
-    reason="needs a cgroup v1 hierarchy")
+
+def _has_v1() -> bool:
+    with open("/proc/self/mountinfo") as f:
+        return any(" - cgroup " in ln for ln in f)
+
+
+pytestmark = pytest.mark.skipif(not _has_v1(), reason="needs a cgroup v1 hierarchy")
 
 
 def test_cgroup_names_x_and_x_be_never_share_a_cgroup_dir(tmp_path: object) -> None:

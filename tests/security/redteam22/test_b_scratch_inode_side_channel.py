@@ -15,6 +15,8 @@ sandbox (shared_scratch=False) the counter is the sandbox's own.
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from dsec.edge.backends.container import ContainerBackend
@@ -38,7 +40,7 @@ async def test_another_sandboxs_file_creation_does_not_show_in_my_inode_numbers(
     await backend.create(b, SPEC)
     # baseline: A's own consecutive creations, nothing else running
     quiet = [await _ino(backend, a, f"q{i}") for i in range(3)]
-    step = max(y - x for x, y in zip(quiet, quiet[1:]))
+    step = max(y - x for x, y in itertools.pairwise(quiet))
     before = await _ino(backend, a, "before")
     r = await backend.exec(b, ExecRequest(shell=(
         "mkdir /tmp/w && cd /tmp/w && i=0; while [ $i -lt 3000 ]; do : > f$i; i=$((i+1)); "
