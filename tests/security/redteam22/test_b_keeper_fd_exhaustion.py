@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 import shutil
 import socket
+import sys
 import time
 from collections.abc import Iterator
 
@@ -36,7 +37,7 @@ pytestmark = pytest.mark.skipif(shutil.which("prlimit") is None, reason="needs p
 def small_store(tmp_path: object) -> Iterator[FdStore]:
     wrapper = os.path.join(str(tmp_path), "py")
     with open(wrapper, "w") as f:
-        f.write(f"#!/bin/sh\nexec prlimit --nofile=64:64 {os.path.realpath(os.sys.executable)} \"$@\"\n")
+        f.write(f"#!/bin/sh\nexec prlimit --nofile=64:64 {os.path.realpath(sys.executable)} \"$@\"\n")
     os.chmod(wrapper, 0o755)
     state = os.path.join(str(tmp_path), "state")
     os.mkdir(state)

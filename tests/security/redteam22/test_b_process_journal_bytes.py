@@ -29,7 +29,7 @@ from dsec.wire.spec import ExecRequest
 
 def test_journal_bytes_stay_bounded_by_the_live_entries(tmp_path: object) -> None:
     argv = ["/bin/true"] + ["\x01" * 130_000] * 7
-    ExecRequest(argv=argv)          # a request the wire accepts (per-arg and total limits)
+    ExecRequest(argv=tuple(argv))          # a request the wire accepts (per-arg and total limits)
     j = ProcessJournal(str(tmp_path))
     j.load()
     try:

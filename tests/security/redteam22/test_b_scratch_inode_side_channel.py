@@ -20,13 +20,14 @@ import itertools
 import pytest
 
 from dsec.edge.backends.container import ContainerBackend
+from dsec.ids import SandboxId
 from dsec.wire.spec import ExecRequest
 from tests.edge.container.conftest import SPEC, backend, images_dir, new_sid  # noqa: F401
 
 pytestmark = pytest.mark.root
 
 
-async def _ino(b: ContainerBackend, sid: str, name: str) -> int:
+async def _ino(b: ContainerBackend, sid: SandboxId, name: str) -> int:
     r = await b.exec(sid, ExecRequest(shell=f"touch /tmp/{name} && stat -c %i /tmp/{name}"))
     assert r.exit_code == 0, r
     return int(r.stdout.split()[0])
