@@ -49,8 +49,8 @@ import msgspec
 from dsec.errors import BackendError
 from dsec.wire.process import ProcessInfo
 
-__all__ = ["JOURNAL_CMD_BYTES", "KEEPER_SOCKET", "PROCESS_JOURNAL", "DurableProcess", "FdStore", "KeptChild",
-           "ProcessJournal", "cut_cmd"]
+__all__ = ["JOURNAL_CMD_BYTES", "KEEPER_SOCKET", "PROCESS_JOURNAL", "DurableProcess",
+           "FdStore", "KeptChild", "ProcessJournal", "cut_cmd"]
 
 log = logging.getLogger(__name__)
 
