@@ -5,7 +5,8 @@ process table's entries on disk, and its descriptors in a keeper process.
 edge that started it may be killed meanwhile. Two things must survive that:
 
 - **the entry** (:class:`DurableProcess`: sandbox, pid, host pid and its start time,
-  exec cgroup, argv, tenant, ring size, terminal, stdin open, timeout deadline), appended
+  exec cgroup, argv (its first 4 KiB of JSON, marked when cut), tenant, ring size,
+  terminal, stdin open, timeout deadline, the sandbox's OOM count at start), appended
   to ``<state-dir>/processes.jsonl`` by :class:`ProcessJournal` *before* the start is
   answered. A plain ``write`` with no fsync: the page cache survives the edge's kill -9,
   and a host crash ends every process anyway, so an fsync (~ms here) would buy nothing;
