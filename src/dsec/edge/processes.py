@@ -780,7 +780,8 @@ class ProcessTable(Generic[R]):
             fds = store.take(dp.key) if rec is not None and dp.key in held else None
             held.discard(dp.key)
             if rec is None:
-                journal.end(dp.sid, dp.pid)
+                with contextlib.suppress(DsecError):   # a full disk: compaction drops it
+                    journal.end(dp.sid, dp.pid)
                 store.drop(dp.key)
                 continue
             try:
@@ -790,7 +791,8 @@ class ProcessTable(Generic[R]):
                     self._restore_ended(rec, dp)
             except Exception:
                 log.exception("process %d of sandbox %s could not be taken back", dp.pid, sid)
-                journal.end(dp.sid, dp.pid)
+                with contextlib.suppress(DsecError):
+                    journal.end(dp.sid, dp.pid)
                 store.drop(dp.key)
         for key in held:
             store.drop(key)
