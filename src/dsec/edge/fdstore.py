@@ -5,7 +5,8 @@ process table's entries on disk, and its descriptors in a keeper process.
 edge that started it may be killed meanwhile. Two things must survive that:
 
 - **the entry** (:class:`DurableProcess`: sandbox, pid, host pid and its start time,
-  exec cgroup, argv, tenant, ring size, terminal, stdin open, timeout deadline), appended
+  exec cgroup, argv (its first 4 KiB of JSON, marked when cut), tenant, ring size,
+  terminal, stdin open, timeout deadline, the sandbox's OOM count at start), appended
   to ``<state-dir>/processes.jsonl`` by :class:`ProcessJournal` *before* the start is
   answered. A plain ``write`` with no fsync: the page cache survives the edge's kill -9,
   and a host crash ends every process anyway, so an fsync (~ms here) would buy nothing;
@@ -32,6 +33,7 @@ from __future__ import annotations
 import array
 import asyncio
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -48,8 +50,8 @@ import msgspec
 from dsec.errors import BackendError
 from dsec.wire.process import ProcessInfo
 
-__all__ = ["KEEPER_SOCKET", "PROCESS_JOURNAL", "DurableProcess", "FdStore", "KeptChild",
-           "ProcessJournal"]
+__all__ = ["JOURNAL_CMD_BYTES", "KEEPER_SOCKET", "PROCESS_JOURNAL", "DurableProcess",
+           "FdStore", "KeptChild", "ProcessJournal", "cut_cmd"]
 
 log = logging.getLogger(__name__)
 
@@ -66,11 +68,14 @@ class DurableProcess(msgspec.Struct, kw_only=True):
     host_pid: int
     host_start: int                 # /proc/<host_pid>/stat field 22: names it for the boot
     exec_cgroup: str                # its exec cgroup's directory
-    info: ProcessInfo
+    info: ProcessInfo               # its ``cmd`` cut to JOURNAL_CMD_BYTES (cut_cmd)
     tenant: str = ""
     ring_cap: int = 1 << 20
     deadline: float | None = None   # wall clock: its timeout kills it then
     pty: tuple[int, int] | None = None
+    # the sandbox's OOM kills when it started: an adopted process's SIGKILL with the
+    # counter risen since is reported oom_killed, as before the restart (red team 22, B9)
+    oom_before: int | None = None
 
     @property
     def key(self) -> str:
@@ -92,90 +97,273 @@ class _Drop(msgspec.Struct, tag="d", array_like=True):
 
 _Line = _Put | _End | _Drop
 
+#: JSON bytes of a journaled entry's ``cmd`` (red team 22, B4). The argv is the tenant's,
+#: up to MAX_ARGV_BYTES (1 MiB; ~6 MB of JSON when it is control bytes, each ``\u00XX``),
+#: and the journal only needs it for ``process_list`` after a restart: the entry keeps
+#: its head and says it was cut. Every other field is bounded by the wire (cwd 4 KiB,
+#: tag 256 B) or is the edge's own: a line is at most ~40 KiB.
+JOURNAL_CMD_BYTES = 4096
+#: the longest line :meth:`ProcessJournal.load` reads (longer ones are skipped unread):
+#: above what a journal of an earlier release (whole argv) could hold, so it still reads
+_MAX_LOAD_LINE = 8 << 20
+#: compaction runs when the file holds more than 4x its live entries' bytes plus this
+#: (or 4x their count plus 1,000 lines): the file stays within ~4x what is live
+_COMPACT_SLACK_BYTES = 1 << 20
+
+_json = msgspec.json.Encoder()
+
+
+def _head(s: str, room: int) -> str:
+    """The longest prefix of ``s`` (near enough) whose JSON is at most ``room`` bytes."""
+    if room <= 2:
+        return ""
+    t = s[:room]
+    while t:
+        n = len(_json.encode(t))
+        if n <= room:
+            return t
+        t = t[:max(0, len(t) * room // n - 1)]
+    return t
+
+
+def cut_cmd(cmd: list[str] | str, limit: int = JOURNAL_CMD_BYTES) -> list[str] | str:
+    """``cmd`` as the journal keeps it: itself when its JSON fits in ``limit`` bytes, else
+    its head with a mark saying it was cut (an argv gets the mark as a last item). Pure;
+    a cut cmd fits, so cutting again leaves it as it is."""
+    if len(_json.encode(cmd)) <= limit:
+        return cmd
+    if isinstance(cmd, str):
+        total = len(cmd.encode("utf-8", "surrogatepass"))
+    else:
+        total = sum(len(a.encode("utf-8", "surrogatepass")) + 1 for a in cmd)
+    mark = f"...[dsec: cut to fit the edge's process journal; {total} bytes in all]"
+    room = limit - len(_json.encode(mark)) - 8
+    if isinstance(cmd, str):
+        return _head(cmd, room + 2) + mark if room > 0 else mark
+    out: list[str] = []
+    used = 2
+    for a in cmd:
+        n = len(_json.encode(a)) + 1
+        if used + n <= room:
+            out.append(a)
+            used += n
+            continue
+        head = _head(a, room - used - 1)
+        if head:
+            out.append(head)
+        break
+    out.append(mark)
+    return out
+
+
+def _bounded(proc: DurableProcess) -> DurableProcess:
+    cmd = cut_cmd(proc.info.cmd)
+    if cmd is proc.info.cmd:
+        return proc
+    return msgspec.structs.replace(proc, info=msgspec.structs.replace(proc.info, cmd=cmd))
+
+
+def _write_all(fd: int, data: bytes) -> int:
+    """write(2) all of ``data``; an OSError (``written`` bytes went out before it) if not:
+    a short write is the kernel's answer on a disk that fills mid-write (red team 22,
+    B5), and a write of nothing would loop forever."""
+    view = memoryview(data)
+    done = 0
+    while done < len(data):
+        try:
+            n = os.write(fd, view[done:])
+        except OSError as exc:
+            exc.written = done  # type: ignore[attr-defined]
+            raise
+        if n <= 0:
+            err = OSError(errno.ENOSPC, "write(2) wrote nothing")
+            err.written = done  # type: ignore[attr-defined]
+            raise err
+        done += n
+    return done
+
 
 class ProcessJournal:
     """``<state-dir>/processes.jsonl``: append-only, compacted when it holds more than
-    4x the live entries plus 1,000 lines (module docstring for why no fsync)."""
+    4x the live entries' bytes plus 1 MiB, or 4x their count plus 1,000 lines (module
+    docstring for why no fsync).
+
+    Bounded by bytes, not only lines (red team 22, B4): an entry's argv is cut to
+    :data:`JOURNAL_CMD_BYTES`, so the file stays within ~4x the live entries (~40 KiB
+    each at most, their number bounded by the process table's caps) plus 1 MiB, and
+    :meth:`load` streams it line by line. A record is written whole or not at all: a
+    short or failed write is cut off again (``ftruncate``; if even that fails, the torn
+    tail is cut - or fenced with a newline - before the next append) and the call raises
+    BackendError, the entry not taken as journaled (B5). A compaction that cannot write
+    (full disk) is logged and skipped: the appended file stays valid (B6)."""
 
     def __init__(self, state_dir: str) -> None:
         self.path = os.path.join(state_dir, PROCESS_JOURNAL)
         self.live: dict[tuple[str, int], DurableProcess] = {}
+        self._enc_live: dict[tuple[str, int], bytes] = {}   # each live entry's line
+        self._live_bytes = 0
         self._fd = -1
         self._lines = 0
-        self._enc = msgspec.json.Encoder()
+        self._size = 0            # bytes of whole lines in the file
+        self._torn = False        # bytes past _size may be half a line: cut them first
+        self._stale = False       # the file says more is live than self.live: compact
+        self._retry_at = 0        # _lines at which a failed compaction is tried again
 
     def load(self) -> dict[tuple[str, int], DurableProcess]:
-        """Read what a previous edge left (a torn last line is skipped), then compact."""
+        """Read what a previous edge left (a torn last line is skipped), then compact
+        (if it can: on a full disk the old file stays, its torn tail cut)."""
         dec = msgspec.json.Decoder(_Line)
         live: dict[tuple[str, int], DurableProcess] = {}
+        good = 0
         try:
-            with open(self.path, "rb") as f:
-                raw = f.read()
+            f = open(self.path, "rb")  # noqa: SIM115 - closed below
         except FileNotFoundError:
-            raw = b""
-        for line in raw.splitlines():
-            if not line.strip():
-                continue
-            try:
-                rec = dec.decode(line)
-            except (msgspec.DecodeError, msgspec.ValidationError):
-                log.warning("%s: skipped an unreadable line", self.path)
-                continue
-            if isinstance(rec, _Put):
-                live[(rec.proc.sid, rec.proc.pid)] = rec.proc
-            elif isinstance(rec, _End):
-                live.pop((rec.sid, rec.pid), None)
-            else:
-                for k in [k for k in live if k[0] == rec.sid]:
-                    del live[k]
+            f = None
+        except OSError as exc:
+            raise BackendError(f"cannot read the process journal {self.path}: {exc}; "
+                               "check the edge's state directory") from exc
+        if f is not None:
+            with f:
+                while True:
+                    line = f.readline(_MAX_LOAD_LINE + 1)
+                    if not line:
+                        break
+                    if not line.endswith(b"\n"):
+                        if len(line) > _MAX_LOAD_LINE:      # skipped unread, to its end
+                            while line and not line.endswith(b"\n"):
+                                line = f.readline(1 << 20)
+                            log.warning("%s: skipped a line over %d bytes", self.path,
+                                        _MAX_LOAD_LINE)
+                        if not line.endswith(b"\n"):
+                            self._torn = True    # the torn tail: cut before the next append
+                            break
+                        good = f.tell()
+                        continue
+                    good += len(line)
+                    self._lines += 1
+                    if not line.strip():
+                        continue
+                    try:
+                        rec = dec.decode(line)
+                    except (msgspec.DecodeError, msgspec.ValidationError):
+                        log.warning("%s: skipped an unreadable line", self.path)
+                        continue
+                    if isinstance(rec, _Put):
+                        live[(rec.proc.sid, rec.proc.pid)] = _bounded(rec.proc)
+                    elif isinstance(rec, _End):
+                        live.pop((rec.sid, rec.pid), None)
+                    else:
+                        for k in [k for k in live if k[0] == rec.sid]:
+                            del live[k]
         self.live = dict(live)
-        self._compact()
+        self._enc_live = {k: _json.encode(_Put(p)) + b"\n" for k, p in live.items()}
+        self._live_bytes = sum(map(len, self._enc_live.values()))
+        self._size = good
+        if not self._compact() and f is not None:
+            self._stale = True     # compaction failed: keep appending to the old file
         return live
 
     def put(self, proc: DurableProcess) -> None:
-        self.live[(proc.sid, proc.pid)] = proc
-        self._append(_Put(proc))
+        """Journal ``proc`` (its argv cut, :func:`cut_cmd`). BackendError if it could not
+        be written whole: the journal then holds what it held before."""
+        k = (proc.sid, proc.pid)
+        bounded = _bounded(proc)
+        line = _json.encode(_Put(bounded)) + b"\n"
+        self._append(line)                 # raises: nothing below changes
+        self.live[k] = bounded
+        self._live_bytes += len(line) - len(self._enc_live.get(k, b""))
+        self._enc_live[k] = line
+        self._maybe_compact()
 
     def end(self, sid: str, pid: int) -> None:
         if self.live.pop((sid, pid), None) is not None:
-            self._append(_End(sid, pid))
+            self._live_bytes -= len(self._enc_live.pop((sid, pid), b""))
+            self._append_or_stale(_json.encode(_End(sid, pid)) + b"\n")
 
     def drop(self, sid: str) -> list[DurableProcess]:
         gone = [k for k in self.live if k[0] == sid]
         if not gone:
             return []
         out = [self.live.pop(k) for k in gone]
-        self._append(_Drop(sid))
+        for k in gone:
+            self._live_bytes -= len(self._enc_live.pop(k, b""))
+        self._append_or_stale(_json.encode(_Drop(sid)) + b"\n")
         return out
 
-    def _append(self, rec: _Line) -> None:
-        if self._fd < 0:
-            self._open()
-        data = self._enc.encode(rec) + b"\n"
+    def _append_or_stale(self, line: bytes) -> None:
+        """An end or drop: gone from ``live`` either way; if its line cannot be written
+        the file says more than is live until the next compaction (tried soon)."""
         try:
-            os.write(self._fd, data)
+            self._append(line)
+        except BackendError:
+            self._stale = True
+            raise
+        self._maybe_compact()
+
+    def _append(self, data: bytes) -> None:
+        start = self._size
+        try:
+            if self._fd < 0:
+                self._open()
+            if self._torn:
+                try:
+                    os.ftruncate(self._fd, self._size)
+                except OSError:
+                    start = os.fstat(self._fd).st_size
+                    data = b"\n" + data    # fence it off: a blank line reads as nothing
+                self._torn = False
+            _write_all(self._fd, data)
         except OSError as exc:
+            if getattr(exc, "written", 0):
+                try:
+                    os.ftruncate(self._fd, start)
+                except OSError:
+                    self._torn = True      # cut (or fenced) before the next append
             # a full disk: the process runs, but would not be found after a restart
             raise BackendError(f"cannot record a process in {self.path}: {exc}; free "
                                "space in the edge's state directory") from exc
+        self._size = start + len(data)
         self._lines += 1
-        if self._lines > 4 * len(self.live) + 1000:
+
+    def _maybe_compact(self) -> None:
+        if self._lines < self._retry_at:
+            return            # the last attempt failed: not one rewrite per append
+        if (self._stale or self._size > 4 * self._live_bytes + _COMPACT_SLACK_BYTES
+                or self._lines > 4 * len(self.live) + 1000):
             self._compact()
 
     def _open(self) -> None:
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC,
                            0o600)
 
-    def _compact(self) -> None:
+    def _compact(self) -> bool:
+        """Rewrite the file with the live entries; False (logged, no .tmp left, the old
+        file still in use) if that fails - a full disk (red team 22, B6)."""
         tmp = self.path + ".tmp"
-        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600),
-                  "wb") as f:
-            f.write(b"".join(self._enc.encode(_Put(p)) + b"\n" for p in self.live.values()))
-        os.replace(tmp, self.path)
-        if self._fd >= 0:
-            os.close(self._fd)
-        self._open()
+        fd = -1
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND
+                         | os.O_CLOEXEC, 0o600)
+            _write_all(fd, b"".join(self._enc_live.values()))
+            os.replace(tmp, self.path)
+        except OSError as exc:
+            log.warning("%s: compaction failed (%s); appending to the old file", self.path,
+                        exc)
+            if fd >= 0:
+                os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            self._retry_at = self._lines + 100
+            return False
+        # the new file's descriptor replaces the old one only once it is in place
+        old, self._fd = self._fd, fd
+        if old >= 0:
+            os.close(old)
         self._lines = len(self.live)
+        self._size = self._live_bytes
+        self._torn = self._stale = False
+        self._retry_at = 0
+        return True
 
     def close(self) -> None:
         if self._fd >= 0:
