@@ -36,11 +36,13 @@ import json
 import logging
 import os
 import select
+import shutil
 import signal
 import socket
 import struct
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable
 
 import msgspec
@@ -267,12 +269,7 @@ class FdStore:
             os.unlink(self.path)
         lst = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
-            old = os.umask(0o177)
-            try:
-                lst.bind(self.path)
-            finally:
-                os.umask(old)
-            lst.listen(16)
+            self._bind_private(lst)
             self.keeper = subprocess.Popen(
                 [self.python, "-I", _KEEPER, str(lst.fileno()), self.path, str(self.orphan_s)],
                 pass_fds=[lst.fileno()], start_new_session=True, cwd="/",
@@ -285,6 +282,26 @@ class FdStore:
                 from exc
         finally:
             lst.close()
+
+    def _bind_private(self, lst: socket.socket) -> None:
+        """Bind and listen at ``self.path``, which never exists with a mode other than
+        0600. Not by narrowing the umask around ``bind``: the umask is the whole
+        process's, and other edge threads (the file pool's ``mkdir``) create files
+        meanwhile (red team 22, B10). Bound in a fresh 0700 directory next to it (by
+        ``/proc/self/fd``: no sun_path limit on the state dir's path), chmod'ed, set
+        listening, renamed into place (as ``dsec.aether.transport`` binds the edge's)."""
+        tmp = tempfile.mkdtemp(prefix=".fdkeeper-", dir=os.path.dirname(self.path))
+        try:
+            dfd = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                lst.bind(f"/proc/self/fd/{dfd}/s")
+                os.chmod("s", 0o600, dir_fd=dfd)
+                lst.listen(16)
+                os.rename("s", self.path, src_dir_fd=dfd)
+            finally:
+                os.close(dfd)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
 
     def _sock(self) -> socket.socket:
         if self.sock is None:
