@@ -452,6 +452,10 @@ class FdStore:
         whole answer comes (not "nothing held": red team 22, B1/B7)."""
         op = msg.get("op")
         try:
+            ino = os.stat(self.path).st_ino
+        except OSError:
+            ino = -1
+        try:
             s = self._connect(spawn=False, timeout_s=timeout_s)
             if s is None and spawn:
                 self._sock()          # starts the keeper (and keeps the main connection)
@@ -461,9 +465,11 @@ class FdStore:
                 raise
             raise KeeperUnreachable(str(exc)) from exc
         if s is None:
-            if self.sock is None:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(self.path)     # a dead keeper's socket (it was killed)
+            # a dead keeper's socket (it was killed); only that file: this may run in a
+            # thread while the loop's thread binds a new keeper's in its place
+            with contextlib.suppress(OSError):
+                if self.sock is None and os.stat(self.path).st_ino == ino:
+                    os.unlink(self.path)
             return None, []
         anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())] \
             if fds else []
