@@ -783,7 +783,7 @@ class ProcessTable(Generic[R]):
         entries = journal.load()
         held: set[str] | None = set()
         if entries or os.path.exists(store.path):
-            held = await self._held_keys(store, (5.0, 15.0))
+            held = await self._held_keys(store, (5.0,))
         later: list[DurableProcess] = []
         for (sid, _pid), dp in entries.items():
             rec = self._live(sid)
