@@ -250,6 +250,8 @@ class FdStore:
         self._watched = -1
         self._seq = 0
         self.ack_timeout_s = 2.0
+        self._acks = True          # the keeper answers puts (False: an older keeper)
+        self._spawned = False
 
     # ------------------------------------------------------------------ connection
     def _connect(self, *, spawn: bool, timeout_s: float = 5.0) -> socket.socket | None:
@@ -289,6 +291,7 @@ class FdStore:
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
             s.connect(self.path)      # queued on the listener until the keeper accepts
+            self._spawned = self._acks = True     # ours: this version's keeper
             return s
         except OSError as exc:
             raise BackendError(f"cannot start the descriptor keeper at {self.path}: {exc}") \
@@ -318,17 +321,31 @@ class FdStore:
 
     def _sock(self) -> socket.socket:
         if self.sock is None:
+            self._spawned = False
             self.sock = self._connect(spawn=True)
             assert self.sock is not None
+            if not self._spawned:
+                self._acks = self._answers_puts()
             try:
-                # nothing is ever sent back on this connection: readable means the keeper
-                # died; a new one gets everything at once (not at the next start)
+                # only put answers come back on this connection (a late one is skipped):
+                # EOF means the keeper died; a new one gets everything at once
                 asyncio.get_running_loop().add_reader(self.sock.fileno(), self._lost)
                 self._watched = self.sock.fileno()
             except RuntimeError:
                 pass     # no event loop (a tool): the next send notices
         assert self.sock is not None
         return self.sock
+
+    def _answers_puts(self) -> bool:
+        """Whether a keeper this edge did not start (a previous edge's, perhaps of an
+        older dsec) answers puts: one that pages its keys does. An older one would
+        leave every put unconfirmed, so it gets them unconfirmed, as it expects."""
+        try:
+            reply, _ = self._ask({"op": "keys", "after": "\U0010ffff"}, timeout_s=2.0)
+        except KeeperUnreachable as exc:
+            log.warning("%s: puts to it go unconfirmed", exc)
+            return False
+        return reply is not None and "more" in reply
 
     def _lost(self) -> None:
         if self.sock is not None:
@@ -357,6 +374,9 @@ class FdStore:
         for attempt in (0, 1):
             fresh = self.sock is None
             s = self._sock()
+            if not self._acks and "ack" in msg:
+                del msg["ack"]
+                data = json.dumps(msg).encode()
             try:
                 s.sendmsg([data], anc)
                 return s
@@ -390,8 +410,10 @@ class FdStore:
         names = list(fds)
         self._seq += 1
         n = self._seq
-        s = self._send({"op": "put", "key": key, "names": names, "ack": n},
-                       [fds[x] for x in names])
+        msg: dict[str, object] = {"op": "put", "key": key, "names": names, "ack": n}
+        s = self._send(msg, [fds[x] for x in names])
+        if "ack" not in msg:
+            return                    # an older keeper: it never answers a put
         reply = self._await_ack(s, n)
         if reply is None:
             with contextlib.suppress(OSError):    # if it ever gets to the put
