@@ -270,7 +270,7 @@ def serve(listener: socket.socket, path: str, orphan_s: float) -> None:
         conns.append(c)
 
     def reap() -> None:
-        watched = {_pid_key(k) for k in held} | set(waiting)
+        watched: set[str] | None = None     # built once a child did end (O(held))
         while True:
             try:
                 si = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
@@ -287,6 +287,8 @@ def serve(listener: socket.socket, path: str, orphan_s: float) -> None:
             if child is not None:
                 child.returncode = status     # so Popen never waits for a reused pid
             pk = f"{si.si_pid}/{start}"
+            if watched is None:
+                watched = {_pid_key(k) for k in held} | set(waiting)
             if pk in watched and len(exits) < MAX_EXITS:
                 exits[pk] = status
             for c in waiting.pop(pk, []):

@@ -234,7 +234,9 @@ class KeptChild:
 class FdStore:
     """The edge's side of the keeper (``dsec.edge.fdkeeper``): started on first use, or
     found again on its socket after a restart. Calls are synchronous sends on a local
-    socket (~10 us); only :meth:`take` and :meth:`keys` wait for an answer (at restore).
+    socket (~10 us); :meth:`put` waits for the keeper's confirmation (it may refuse: its
+    descriptor limit bounds what it holds), :meth:`take` and :meth:`keys` for an answer
+    (at restore), each bounded in time.
 
     ``on_reconnect``: called after the keeper was found gone and a new one started, to
     hand it again everything that must be held (the lost keeper's copies are gone)."""

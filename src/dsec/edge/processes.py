@@ -66,7 +66,8 @@ re-deposit) is told on its stderr that it will not survive an edge restart. Entr
 had ended before the restart are listed ended with their exit status (their output is
 gone) until evicted.
 Cost: ~60 us per process (start + end) on the dev VM (journal
-write ~4 us, the pid's start time ~27 us, two sends to the keeper ~27 us).
+write ~4 us, the pid's start time ~27 us, two sends to the keeper ~27 us), plus the
+keeper's confirmation of the put (a round trip: ~0.25 ms on a busy 2-core box, 2026-12-02).
 
 Backends: the container backend's native runtime spawns the process itself
 (``ContainerBackend.spawn_process``: pipes or a pty inside the sandbox, signals to the
