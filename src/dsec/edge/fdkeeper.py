@@ -20,11 +20,23 @@ restarted edge learns how a background process ended, during the downtime or lat
 (``status``).
 
 Protocol (SOCK_SEQPACKET, one JSON object per message, descriptors as SCM_RIGHTS):
-``put`` key+names (+fds, replacing what the key held; the key is ``sid/host_pid/start``),
-``drop`` key, ``take`` key (answer: its names + copies of its fds; it keeps holding them
-until dropped), ``keys`` (answer: the keys it holds), ``spawn`` argv+exe (+fds, named
-``{0}``.. in argv; answer: the pid), ``status`` key (answer: the raw wait status, once the
-process is reaped if it is our child; null if it is not ours to know).
+``put`` key+names (+fds, replacing what the key held; the key is ``sid/host_pid/start``;
+with ``ack``: answer ``{"n": ack, "ok": bool, "error": why}`` - a refused put holds
+nothing under the key, so the edge knows that process is not durable), ``drop`` key,
+``take`` key (answer: its names + copies of its fds; it keeps holding them until
+dropped), ``keys`` after (answer: a page of the keys it holds, sorted, past ``after``,
+and ``more``), ``spawn`` argv+exe (+fds, named ``{0}``.. in argv; answer: the pid),
+``status`` key (answer: the raw wait status, once the process is reaped if it is our
+child; null if it is not ours to know).
+
+Its descriptor limit (RLIMIT_NOFILE, raised to the hard limit) bounds what it holds
+(red team 22, B1): it keeps a reserve for its connections, a ``spawn`` and its own files,
+and refuses (answers) a put past the rest rather than having the kernel truncate the
+SCM_RIGHTS; a put whose descriptors arrived truncated anyway (MSG_CTRUNC) is refused the
+same way. It serves at most a bounded number of connections (the listener is not polled
+while at that bound: later ones wait in its backlog), and an ``accept`` that fails for
+want of a descriptor sheds that connection with a spare descriptor kept for the purpose
+and pauses the listener - never a busy loop on a listener that stays readable.
 
 It exits when it holds nothing and no edge is connected; when it holds descriptors and no
 edge has been connected for ``ORPHAN_S`` seconds it closes them (their processes then see
@@ -37,6 +49,7 @@ from __future__ import annotations
 import array
 import contextlib
 import ctypes
+import errno
 import json
 import os
 import resource
@@ -50,11 +63,19 @@ import time
 
 MAX_FDS = 8
 MAX_MSG = 1 << 16
+MAX_KEY = 512          # bytes: a key is ~45 (so a keys page always fits one message)
+PAGE_BYTES = 32768     # a keys answer's keys, at most (the edge reads 64 KiB)
+# descriptors kept free besides those of connections: a spawn's (MAX_FDS received, the
+# Popen error pipe), a /proc read, the spare, slack
+RESERVE = MAX_FDS + 8
 
 
-def _recv(conn: socket.socket) -> tuple[dict[str, object] | None, list[int]]:
-    data, anc, _, _ = conn.recvmsg(MAX_MSG, socket.CMSG_SPACE(MAX_FDS * 4),
-                                   socket.MSG_CMSG_CLOEXEC)
+def _recv(conn: socket.socket) -> tuple[dict[str, object] | None, list[int], bool]:
+    """(message or None at EOF or {} if unreadable, descriptors, truncated): truncated
+    when the message or its descriptors did not arrive whole (MSG_TRUNC/MSG_CTRUNC: at
+    our descriptor limit the kernel drops what does not fit)."""
+    data, anc, flags, _ = conn.recvmsg(MAX_MSG, socket.CMSG_SPACE(MAX_FDS * 4),
+                                       socket.MSG_CMSG_CLOEXEC)
     fds = array.array("i")
     for level, kind, blob in anc:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
@@ -62,7 +83,15 @@ def _recv(conn: socket.socket) -> tuple[dict[str, object] | None, list[int]]:
     if not data:
         for fd in fds:
             os.close(fd)
-        return None, []
+        return None, [], False
+    if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
+        for fd in fds:
+            os.close(fd)
+        try:
+            msg = json.loads(data)
+        except ValueError:
+            msg = None
+        return (msg if isinstance(msg, dict) else {}), [], True
     try:
         msg = json.loads(data)
     except ValueError:
@@ -70,8 +99,8 @@ def _recv(conn: socket.socket) -> tuple[dict[str, object] | None, list[int]]:
     if not isinstance(msg, dict):
         for fd in fds:
             os.close(fd)
-        return {}, []
-    return msg, list(fds)
+        return {}, [], False
+    return msg, list(fds), False
 
 
 def _send(conn: socket.socket, msg: dict[str, object], fds: list[int] | None = None) -> None:
@@ -104,6 +133,13 @@ def _parent(pid: int) -> int | None:
         return int(raw[raw.rfind(b")") + 2:].split()[1])
     except (OSError, IndexError, ValueError):
         return None
+
+
+def _open_fds() -> int:
+    try:
+        return len(os.listdir("/proc/self/fd")) - 1     # less listdir's own
+    except OSError:
+        return 16
 
 
 def _pid_key(key: str) -> str:
@@ -146,16 +182,95 @@ def serve(listener: socket.socket, path: str, orphan_s: float) -> None:
     wake_w.setblocking(False)
     signal.set_wakeup_fd(wake_w.fileno())
     signal.signal(signal.SIGCHLD, lambda *_: None)
+    spare: int | None = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+    limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    limit = 1 << 20 if limit == resource.RLIM_INFINITY else limit
+    base = _open_fds()
+    max_conns = max(2, min(64, limit // 16))
+    hold_cap = max(0, limit - base - max_conns - RESERVE)
+    nheld = 0                                  # descriptors held, all keys
+    listen_paused_until = 0.0
 
     def close_key(key: str) -> None:
+        nonlocal nheld
         old = held.pop(key, None)
         if old is not None:
             for fd in old[1]:
                 os.close(fd)
+            nheld -= len(old[1])
         exits.pop(_pid_key(key), None)
 
+    def put(key: str, names: list[str], fds: list[int],
+            truncated: bool) -> tuple[str | None, bool]:
+        """Hold ``fds`` under ``key``; or why not, and whether for want of descriptors
+        (then nothing is held under it)."""
+        nonlocal nheld
+        before = len(held[key][1]) if key in held else 0
+        why = None
+        full = truncated or nheld - before + len(fds) > hold_cap
+        if truncated:
+            why = ("its descriptors arrived truncated (the keeper is at its descriptor "
+                   f"limit, {limit}): raise the edge's hard RLIMIT_NOFILE or end "
+                   "background processes")
+        elif len(key.encode()) > MAX_KEY or not key:
+            why = f"a key must be 1-{MAX_KEY} bytes"
+        elif len(names) != len(fds):
+            why = f"{len(names)} names for {len(fds)} descriptors"
+        elif nheld - before + len(fds) > hold_cap:
+            why = (f"the keeper holds {nheld} descriptors and may hold {hold_cap} (its "
+                   f"RLIMIT_NOFILE {limit}, less a reserve): raise the edge's hard "
+                   "RLIMIT_NOFILE or end background processes")
+        close_key(key)
+        if why is not None:
+            for fd in fds:
+                os.close(fd)
+            return why, full
+        held[key] = (names, fds)
+        nheld += len(fds)
+        return None, False
+
+    def keys_page(after: object) -> dict[str, object]:
+        page: list[str] = []
+        size = 0
+        for k in sorted(held):
+            if isinstance(after, str) and k <= after:
+                continue
+            n = len(json.dumps(k)) + 2
+            if size + n > PAGE_BYTES:
+                return {"keys": page, "more": True}
+            page.append(k)
+            size += n
+        return {"keys": page, "more": False}
+
+    def accept() -> None:
+        nonlocal spare, listen_paused_until
+        try:
+            c, _ = listener.accept()
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            # out of descriptors (or another failure): the connection stays queued and
+            # the listener readable; shed it with the spare descriptor, and do not poll
+            # the listener for a moment (no busy loop)
+            listen_paused_until = time.monotonic() + 0.2
+            if exc.errno in (errno.EMFILE, errno.ENFILE) and spare is not None:
+                os.close(spare)
+                spare = None
+                with contextlib.suppress(OSError):
+                    listener.accept()[0].close()
+                with contextlib.suppress(OSError):
+                    spare = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+            return
+        creds = c.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                             struct.calcsize("3i"))
+        _, peer_uid, _ = struct.unpack("3i", creds)
+        if peer_uid != uid:
+            c.close()     # another user: nothing here is theirs
+            return
+        conns.append(c)
+
     def reap() -> None:
-        watched = {_pid_key(k) for k in held} | set(waiting)
+        watched: set[str] | None = None     # built once a child did end (O(held))
         while True:
             try:
                 si = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
@@ -172,6 +287,8 @@ def serve(listener: socket.socket, path: str, orphan_s: float) -> None:
             if child is not None:
                 child.returncode = status     # so Popen never waits for a reused pid
             pk = f"{si.si_pid}/{start}"
+            if watched is None:
+                watched = {_pid_key(k) for k in held} | set(waiting)
             if pk in watched and len(exits) < MAX_EXITS:
                 exits[pk] = status
             for c in waiting.pop(pk, []):
@@ -208,10 +325,19 @@ def serve(listener: socket.socket, path: str, orphan_s: float) -> None:
             gone_since = None
         # poll, not select: held descriptors push a late connection past FD_SETSIZE
         poller = select.poll()
-        by_fd = {x.fileno(): x for x in (listener, wake_r, *conns)}
+        polled = [wake_r, *conns]
+        paused = now < listen_paused_until
+        if len(conns) < max_conns and not paused:
+            polled.append(listener)      # else later connections wait in its backlog
+        if spare is None:
+            with contextlib.suppress(OSError):
+                spare = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+        by_fd = {x.fileno(): x for x in polled}
         for fd in by_fd:
             poller.register(fd, select.POLLIN)
         wait_s = None if conns else max(0.1, min(orphan_s / 10, 1.0))
+        if paused:
+            wait_s = min(wait_s or 1.0, max(0.01, listen_paused_until - now))
         ready = [by_fd[fd] for fd, _ in
                  poller.poll(None if wait_s is None else int(wait_s * 1000))]
         for s in ready:
@@ -220,22 +346,12 @@ def serve(listener: socket.socket, path: str, orphan_s: float) -> None:
                     wake_r.recv(4096)
                 continue
             if s is listener:
-                try:
-                    c, _ = listener.accept()
-                except OSError:
-                    continue
-                creds = c.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
-                                     struct.calcsize("3i"))
-                _, peer_uid, _ = struct.unpack("3i", creds)
-                if peer_uid != uid:
-                    c.close()     # another user: nothing here is theirs
-                    continue
-                conns.append(c)
+                accept()
                 continue
             try:
-                msg, fds = _recv(s)
+                msg, fds, truncated = _recv(s)
             except OSError:
-                msg, fds = None, []
+                msg, fds, truncated = None, [], False
             if msg is None:
                 conns.remove(s)
                 s.close()
@@ -244,12 +360,10 @@ def serve(listener: socket.socket, path: str, orphan_s: float) -> None:
             if op == "put":
                 raw = msg.get("names")
                 names = [str(n) for n in raw] if isinstance(raw, list) else []
-                close_key(key)
-                if len(names) == len(fds):
-                    held[key] = (names, fds)
-                else:
-                    for fd in fds:
-                        os.close(fd)
+                why, full = put(key, names, fds, truncated)
+                if "ack" in msg:
+                    _send(s, {"n": msg["ack"], "ok": why is None, "error": why,
+                              "full": full})
             elif op == "drop":
                 for fd in fds:
                     os.close(fd)
@@ -262,8 +376,12 @@ def serve(listener: socket.socket, path: str, orphan_s: float) -> None:
             elif op == "keys":
                 for fd in fds:
                     os.close(fd)
-                _send(s, {"keys": sorted(held)})
+                _send(s, keys_page(msg.get("after")))
             elif op == "spawn":
+                if truncated:
+                    _send(s, {"error": "its descriptors arrived truncated (the keeper is "
+                                       f"at its descriptor limit, {limit})"})
+                    continue
                 try:
                     child = _spawn(msg, fds)
                 except OSError as exc:

@@ -38,20 +38,23 @@ import json
 import logging
 import os
 import select
+import shutil
 import signal
 import socket
 import struct
 import subprocess
 import sys
+import tempfile
+import time
 from collections.abc import Callable
 
 import msgspec
 
-from dsec.errors import BackendError
+from dsec.errors import BackendError, CapacityExceeded, Unavailable
 from dsec.wire.process import ProcessInfo
 
 __all__ = ["JOURNAL_CMD_BYTES", "KEEPER_SOCKET", "PROCESS_JOURNAL", "DurableProcess",
-           "FdStore", "KeptChild", "ProcessJournal", "cut_cmd"]
+           "FdStore", "KeeperUnreachable", "KeptChild", "ProcessJournal", "cut_cmd"]
 
 log = logging.getLogger(__name__)
 
@@ -371,6 +374,12 @@ class ProcessJournal:
             self._fd = -1
 
 
+class KeeperUnreachable(Unavailable):
+    """A keeper's socket is there but no whole answer came (it is slow or stuck, or at
+    its descriptor limit, or this edge is at its own): what it holds is unknown - not
+    "nothing" (red team 22, B1/B7: a restore must not kill processes on that)."""
+
+
 class KeptChild:
     """A process the keeper started for the edge (the exec helper), as the edge drives
     it: the parts of :class:`subprocess.Popen` it uses. The keeper reaps it; its pidfd
@@ -413,7 +422,9 @@ class KeptChild:
 class FdStore:
     """The edge's side of the keeper (``dsec.edge.fdkeeper``): started on first use, or
     found again on its socket after a restart. Calls are synchronous sends on a local
-    socket (~10 us); only :meth:`take` and :meth:`keys` wait for an answer (at restore).
+    socket (~10 us); :meth:`put` waits for the keeper's confirmation (it may refuse: its
+    descriptor limit bounds what it holds), :meth:`take` and :meth:`keys` for an answer
+    (at restore), each bounded in time.
 
     ``on_reconnect``: called after the keeper was found gone and a new one started, to
     hand it again everything that must be held (the lost keeper's copies are gone)."""
@@ -427,12 +438,20 @@ class FdStore:
         self.keeper: subprocess.Popen[bytes] | None = None
         self.on_reconnect: Callable[[], None] | None = None
         self._watched = -1
+        self._seq = 0
+        self.ack_timeout_s = 2.0
+        self._acks = True          # the keeper answers puts (False: an older keeper)
+        self._spawned = False
 
     # ------------------------------------------------------------------ connection
-    def _connect(self, *, spawn: bool) -> socket.socket | None:
+    def _connect(self, *, spawn: bool, timeout_s: float = 5.0) -> socket.socket | None:
         s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         try:
+            # bounded: a keeper at its connection bound leaves a connect in its backlog,
+            # and a full backlog blocks connect
+            s.settimeout(timeout_s)
             s.connect(self.path)
+            s.settimeout(None)
         except (FileNotFoundError, ConnectionRefusedError):
             s.close()
             return self._spawn() if spawn else None
@@ -455,18 +474,14 @@ class FdStore:
             os.unlink(self.path)
         lst = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
-            old = os.umask(0o177)
-            try:
-                lst.bind(self.path)
-            finally:
-                os.umask(old)
-            lst.listen(16)
+            self._bind_private(lst)
             self.keeper = subprocess.Popen(
                 [self.python, "-I", _KEEPER, str(lst.fileno()), self.path, str(self.orphan_s)],
                 pass_fds=[lst.fileno()], start_new_session=True, cwd="/",
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
             s.connect(self.path)      # queued on the listener until the keeper accepts
+            self._spawned = self._acks = True     # ours: this version's keeper
             return s
         except OSError as exc:
             raise BackendError(f"cannot start the descriptor keeper at {self.path}: {exc}") \
@@ -474,13 +489,36 @@ class FdStore:
         finally:
             lst.close()
 
+    def _bind_private(self, lst: socket.socket) -> None:
+        """Bind and listen at ``self.path``, which never exists with a mode other than
+        0600. Not by narrowing the umask around ``bind``: the umask is the whole
+        process's, and other edge threads (the file pool's ``mkdir``) create files
+        meanwhile (red team 22, B10). Bound in a fresh 0700 directory next to it (by
+        ``/proc/self/fd``: no sun_path limit on the state dir's path), chmod'ed, set
+        listening, renamed into place (as ``dsec.aether.transport`` binds the edge's)."""
+        tmp = tempfile.mkdtemp(prefix=".fdkeeper-", dir=os.path.dirname(self.path))
+        try:
+            dfd = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                lst.bind(f"/proc/self/fd/{dfd}/s")
+                os.chmod("s", 0o600, dir_fd=dfd)
+                lst.listen(16)
+                os.rename("s", self.path, src_dir_fd=dfd)
+            finally:
+                os.close(dfd)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
     def _sock(self) -> socket.socket:
         if self.sock is None:
+            self._spawned = False
             self.sock = self._connect(spawn=True)
             assert self.sock is not None
+            if not self._spawned:
+                self._acks = self._answers_puts()
             try:
-                # nothing is ever sent back on this connection: readable means the keeper
-                # died; a new one gets everything at once (not at the next start)
+                # only put answers come back on this connection (a late one is skipped):
+                # EOF means the keeper died; a new one gets everything at once
                 asyncio.get_running_loop().add_reader(self.sock.fileno(), self._lost)
                 self._watched = self.sock.fileno()
             except RuntimeError:
@@ -488,7 +526,27 @@ class FdStore:
         assert self.sock is not None
         return self.sock
 
+    def _answers_puts(self) -> bool:
+        """Whether a keeper this edge did not start (a previous edge's, perhaps of an
+        older dsec) answers puts: one that pages its keys does. An older one would
+        leave every put unconfirmed, so it gets them unconfirmed, as it expects."""
+        try:
+            reply, _ = self._ask({"op": "keys", "after": "\U0010ffff"}, timeout_s=2.0)
+        except KeeperUnreachable as exc:
+            log.warning("%s: puts to it go unconfirmed", exc)
+            return False
+        return reply is not None and "more" in reply
+
     def _lost(self) -> None:
+        if self.sock is not None:
+            try:
+                late = self.sock.recv(4096, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                return
+            except OSError:
+                late = b""
+            if late:
+                return       # the answer to a put that was given up on (_await_ack)
         log.warning("descriptor keeper at %s went away: starting another", self.path)
         self._reset()
         if self.on_reconnect is None:
@@ -499,16 +557,19 @@ class FdStore:
         except BackendError as exc:
             log.error("%s; background processes will not survive an edge restart", exc)
 
-    def _send(self, msg: dict[str, object], fds: list[int]) -> None:
+    def _send(self, msg: dict[str, object], fds: list[int]) -> socket.socket:
         data = json.dumps(msg).encode()
         anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())] \
             if fds else []
         for attempt in (0, 1):
             fresh = self.sock is None
             s = self._sock()
+            if not self._acks and "ack" in msg:
+                del msg["ack"]
+                data = json.dumps(msg).encode()
             try:
                 s.sendmsg([data], anc)
-                return
+                return s
             except OSError as exc:
                 self._reset()
                 if attempt:
@@ -519,6 +580,7 @@ class FdStore:
                 if not fresh and self.on_reconnect is not None:
                     self._sock()
                     self.on_reconnect()
+        raise AssertionError("unreachable")
 
     def _reset(self) -> None:
         if self._watched >= 0:
@@ -531,9 +593,57 @@ class FdStore:
 
     # ------------------------------------------------------------------ operations
     def put(self, key: str, fds: dict[str, int]) -> None:
-        """Hold copies of ``fds`` under ``key`` (replacing what it held)."""
+        """Hold copies of ``fds`` under ``key`` (replacing what it held), confirmed by
+        the keeper. Raises (and then nothing is held under ``key``: that process would
+        not survive an edge restart) :class:`CapacityExceeded` when the keeper is at
+        its descriptor bound, :class:`BackendError` when it refused or did not answer."""
         names = list(fds)
-        self._send({"op": "put", "key": key, "names": names}, [fds[n] for n in names])
+        self._seq += 1
+        n = self._seq
+        msg: dict[str, object] = {"op": "put", "key": key, "names": names, "ack": n}
+        s = self._send(msg, [fds[x] for x in names])
+        if "ack" not in msg:
+            return                    # an older keeper: it never answers a put
+        reply = self._await_ack(s, n)
+        if reply is None:
+            with contextlib.suppress(OSError):    # if it ever gets to the put
+                s.sendmsg([json.dumps({"op": "drop", "key": key}).encode()], [],
+                          socket.MSG_DONTWAIT)
+            raise BackendError(f"the descriptor keeper at {self.path} did not confirm "
+                               f"holding the descriptors of {key} within "
+                               f"{self.ack_timeout_s:g} s")
+        if not reply.get("ok"):
+            why = f"the descriptor keeper refused to hold {key}: {reply.get('error')}"
+            raise CapacityExceeded(why) if reply.get("full") else BackendError(why)
+
+    def _await_ack(self, s: socket.socket, n: int) -> dict[str, object] | None:
+        """The keeper's answer to put ``n`` on the main connection; None if none came
+        in time (or the keeper went: the loop's reader on this connection sees that)."""
+        deadline = time.monotonic() + self.ack_timeout_s
+        poller = select.poll()              # not select: the edge's fds pass FD_SETSIZE
+        poller.register(s.fileno(), select.POLLIN)
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            if not poller.poll(max(1, int(left * 1000))):
+                continue
+            try:
+                data = s.recv(4096, socket.MSG_DONTWAIT | socket.MSG_PEEK)
+            except BlockingIOError:
+                continue
+            except OSError:
+                return None
+            if not data:                    # EOF, left in place for _lost
+                return {"ok": False, "error": "the keeper went away"}
+            s.recv(4096, socket.MSG_DONTWAIT)
+            try:
+                reply = json.loads(data)
+            except ValueError:
+                continue
+            if isinstance(reply, dict) and reply.get("n") == n:
+                return reply
+            # else: a late answer to an earlier put that was given up on
 
     def drop(self, key: str) -> None:
         """Stop holding ``key`` (no keeper running: nothing is held; none is started)."""
@@ -547,81 +657,136 @@ class FdStore:
 
     def _ask(self, msg: dict[str, object], fds: list[int] | None = None, *,
              spawn: bool = False, timeout_s: float = 5.0,
-             ) -> tuple[dict[str, object], list[int]]:
+             ) -> tuple[dict[str, object] | None, list[int]]:
         """One question on a connection of its own (answers never mix with the main
-        connection's traffic; safe from a thread)."""
+        connection's traffic; safe from a thread). None: no keeper runs (so it holds
+        nothing). Raises :class:`KeeperUnreachable` when its socket is there but no
+        whole answer comes (not "nothing held": red team 22, B1/B7)."""
+        op = msg.get("op")
         try:
-            s = self._connect(spawn=False)
+            ino = os.stat(self.path).st_ino
+        except OSError:
+            ino = -1
+        try:
+            s = self._connect(spawn=False, timeout_s=timeout_s)
             if s is None and spawn:
                 self._sock()          # starts the keeper (and keeps the main connection)
-                s = self._connect(spawn=False)
+                s = self._connect(spawn=False, timeout_s=timeout_s)
         except BackendError as exc:
             if spawn:
                 raise
-            log.warning("%s", exc)
-            return {}, []
+            raise KeeperUnreachable(str(exc)) from exc
         if s is None:
-            if self.sock is None:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(self.path)     # a dead keeper's socket (it was killed)
-            return {}, []
+            # a dead keeper's socket (it was killed); only that file: this may run in a
+            # thread while the loop's thread binds a new keeper's in its place
+            with contextlib.suppress(OSError):
+                if self.sock is None and os.stat(self.path).st_ino == ino:
+                    os.unlink(self.path)
+            return None, []
         anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())] \
             if fds else []
         try:
             s.settimeout(timeout_s)
             s.sendmsg([json.dumps(msg).encode()], anc)
-            data, ranc, _, _ = s.recvmsg(1 << 16, socket.CMSG_SPACE(8 * 4),
-                                         socket.MSG_CMSG_CLOEXEC)
-        except OSError:
-            return {}, []
+            data, ranc, flags, _ = s.recvmsg(1 << 16, socket.CMSG_SPACE(8 * 4),
+                                             socket.MSG_CMSG_CLOEXEC)
+        except OSError as exc:
+            raise KeeperUnreachable(f"the descriptor keeper at {self.path} did not answer "
+                                    f"{op} within {timeout_s:g} s: {exc}") from exc
         finally:
             s.close()
         got = array.array("i")
         for level, kind, blob in ranc:
             if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
                 got.frombytes(blob[: len(blob) - len(blob) % 4])
-        try:
-            return dict(json.loads(data or b"{}")), list(got)
-        except ValueError:
+        why = None
+        if flags & socket.MSG_CTRUNC:
+            why = ("its descriptors arrived truncated: this edge is at its descriptor "
+                   "limit (raise its RLIMIT_NOFILE)")
+        elif flags & socket.MSG_TRUNC:
+            why = "its answer was longer than 64 KiB"
+        elif not data:
+            why = "it closed the connection without answering"
+        reply = None
+        if why is None:
+            try:
+                reply = json.loads(data)
+            except ValueError:
+                reply = None
+            if not isinstance(reply, dict):
+                why = "its answer is not a JSON object"
+        if why is not None or not isinstance(reply, dict):
             for fd in got:
                 os.close(fd)
-            return {}, []
+            raise KeeperUnreachable(f"the descriptor keeper at {self.path}, asked {op}: "
+                                    f"{why}")
+        return reply, list(got)
 
     def take(self, key: str) -> dict[str, int] | None:
         """Copies of what ``key`` holds (the keeper keeps its own), or None: no keeper
-        (it was killed, or never started), or it holds nothing under ``key``."""
+        (it was killed, or never started), or it holds nothing under ``key``. Raises
+        :class:`KeeperUnreachable` when a keeper is there but does not answer whole."""
         reply, fds = self._ask({"op": "take", "key": key})
-        names = reply.get("names")
-        if not isinstance(names, list) or len(names) != len(fds):
+        names = reply.get("names") if reply is not None else None
+        if names is None:
             for fd in fds:
                 os.close(fd)
             return None
+        if not isinstance(names, list) or len(names) != len(fds):
+            for fd in fds:
+                os.close(fd)
+            raise KeeperUnreachable(f"the descriptor keeper at {self.path} answered take "
+                                    f"{key} with {names!r} for {len(fds)} descriptors")
         return dict(zip((str(n) for n in names), fds, strict=True))
 
-    def keys(self) -> list[str] | None:
-        """What the keeper holds; None if no keeper answers."""
-        reply, _ = self._ask({"op": "keys"})
-        keys = reply.get("keys")
-        return [str(k) for k in keys] if isinstance(keys, list) else None
+    def keys(self, *, timeout_s: float = 5.0) -> list[str] | None:
+        """What the keeper holds (asked page by page: one answer is one message, red
+        team 22 B7); None if no keeper runs. Raises :class:`KeeperUnreachable` when one
+        is there but does not answer (whole)."""
+        out: list[str] = []
+        after: str | None = None
+        while True:
+            reply, _ = self._ask({"op": "keys", "after": after}, timeout_s=timeout_s)
+            if reply is None:
+                if out:
+                    raise KeeperUnreachable(f"the descriptor keeper at {self.path} went "
+                                            "away while listing what it holds")
+                return None
+            page = reply.get("keys")
+            if not isinstance(page, list):
+                raise KeeperUnreachable(f"the descriptor keeper at {self.path} answered "
+                                        f"keys without a list: {reply!r:.200}")
+            out += [str(k) for k in page]
+            if not reply.get("more") or not page:
+                return out
+            after = out[-1]
 
     def spawn(self, argv: list[str], executable: str, fds: list[int]) -> KeptChild:
         """Start ``executable`` as a child of the keeper (``{0}``.. in ``argv``: the
         numbers ``fds`` get there; stdout/stderr: ours). For the edge's exec helper, so
         the processes it starts are the keeper's to reap once it is gone."""
-        reply, _ = self._ask({"op": "spawn", "argv": argv, "exe": executable,
-                              "stderr": True}, [*fds, 2], spawn=True)
-        pid = reply.get("pid")
+        try:
+            reply, _ = self._ask({"op": "spawn", "argv": argv, "exe": executable,
+                                  "stderr": True}, [*fds, 2], spawn=True)
+        except KeeperUnreachable as exc:
+            raise BackendError(f"{exc}; {executable} was not started") from exc
+        pid = reply.get("pid") if reply is not None else None
         if not isinstance(pid, int):
+            why = reply.get("error", "no answer") if reply is not None else "no keeper"
             raise BackendError(f"the descriptor keeper at {self.path} could not start "
-                               f"{executable}: {reply.get('error', 'no answer')}")
+                               f"{executable}: {why}")
         return KeptChild(pid)
 
     def status(self, key: str, *, timeout_s: float = 5.0) -> int | None:
         """The raw wait status of the process ``key`` names, once the keeper reaped it
         (it waits for that if the process is its child); None if it is not the keeper's
         to know (or no keeper answers). Blocks: call it from a thread."""
-        reply, _ = self._ask({"op": "status", "key": key}, timeout_s=timeout_s)
-        st = reply.get("status")
+        try:
+            reply, _ = self._ask({"op": "status", "key": key}, timeout_s=timeout_s)
+        except KeeperUnreachable as exc:
+            log.warning("%s", exc)
+            return None
+        st = reply.get("status") if reply is not None else None
         return st if isinstance(st, int) else None
 
     def close(self) -> None:

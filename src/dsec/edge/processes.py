@@ -57,10 +57,17 @@ is reported with its exit status: the keeper started the exec helper and is a ch
 subreaper, so it reaps the helper's orphans and keeps their status (during the downtime
 too); when that chain was broken, with ``exit_code`` -1 and "exit status was lost in the
 edge restart" on stderr. A process whose descriptors were lost too (the keeper was
-killed) is killed at the restart, its end saying why. Entries that had ended before the
-restart are listed ended with their exit status (their output is gone) until evicted.
+killed) is killed at the restart, its end saying why. A keeper that is there but does
+not answer (slow, stuck) is not "descriptors lost": its processes are left running,
+untracked, and taken back once it answers (red team 22, B1). The keeper bounds what it
+holds (its descriptor limit): past that, ``process_start`` is refused
+(``CapacityExceeded``), and a process whose descriptors it stops holding (a refused
+re-deposit) is told on its stderr that it will not survive an edge restart. Entries that
+had ended before the restart are listed ended with their exit status (their output is
+gone) until evicted.
 Cost: ~60 us per process (start + end) on the dev VM (journal
-write ~4 us, the pid's start time ~27 us, two sends to the keeper ~27 us).
+write ~4 us, the pid's start time ~27 us, two sends to the keeper ~27 us), plus the
+keeper's confirmation of the put (a round trip: ~0.25 ms on a busy 2-core box, 2026-12-02).
 
 Backends: the container backend's native runtime spawns the process itself
 (``ContainerBackend.spawn_process``: pipes or a pty inside the sandbox, signals to the
@@ -85,7 +92,7 @@ from typing import TYPE_CHECKING, Any, Generic, Literal, Protocol, TypeVar
 
 import msgspec
 
-from dsec.edge.fdstore import DurableProcess, FdStore, ProcessJournal
+from dsec.edge.fdstore import DurableProcess, FdStore, KeeperUnreachable, ProcessJournal
 from dsec.errors import (
     CapacityExceeded,
     DsecError,
@@ -727,18 +734,32 @@ class ProcessTable(Generic[R]):
             if self._journal is not None:
                 self._journal.put(dp)   # stdin_open may have changed
             self._store.put(dp.key, io.held_fds())  # type: ignore[attr-defined]
+            proc.kept = True
         except DsecError as exc:
-            log.warning("process %d in sandbox %s: keeping its descriptors failed: %s",
-                        dp.pid, dp.sid, exc)
+            self._not_durable(proc, exc)
+
+    def _not_durable(self, proc: _Process, exc: DsecError) -> None:
+        """The keeper does not hold its descriptors (any more): it runs on, but an edge
+        restart would kill it - say so, where its client reads (red team 22, B1)."""
+        dp = proc.durable
+        if dp is None or not proc.kept:
+            return
+        proc.kept = False
+        log.warning("process %d in sandbox %s is no longer durable: %s", dp.pid, dp.sid,
+                    exc)
+        proc.take("stderr", f"dsec: process {dp.pid} will not survive an edge restart: "
+                  f"{exc}\n".encode(), self.limits.follower_backlog)
 
     def _redeposit_all(self) -> None:
         """A new keeper (the last one died while this edge lived): hand it everything."""
         for table in self._tables.values():
             for p in table.values():
                 if p.durable is not None and p.result is None and p.io is not None:
-                    with contextlib.suppress(DsecError):
+                    try:
                         assert self._store is not None
                         self._store.put(p.durable.key, p.io.held_fds())  # type: ignore[attr-defined]
+                    except DsecError as exc:
+                        self._not_durable(p, exc)
 
     def _forget(self, proc: _Process) -> None:
         """It ended with this edge watching: its end is journaled (a restart lists it
@@ -768,34 +789,98 @@ class ProcessTable(Generic[R]):
             # B6): its processes run on unlisted, as without a state dir
             log.error("process journal not read, no background process taken back: %s", exc)
             entries = {}
-        held = set(store.keys() or ()) if entries or os.path.exists(store.path) else set()
+        held: set[str] | None = set()
+        if entries or os.path.exists(store.path):
+            held = await self._held_keys(store, (5.0,))
+        later: list[DurableProcess] = []
         for (sid, _pid), dp in entries.items():
-            rec: R | None
-            try:
-                rec = self.node._find(sid)
-            except DsecError:
-                rec = None
-            if rec is not None and rec.state not in ("running", "paused"):
-                rec = None
-            fds = store.take(dp.key) if rec is not None and dp.key in held else None
-            held.discard(dp.key)
+            rec = self._live(sid)
             if rec is None:
                 with contextlib.suppress(DsecError):   # a full disk: compaction drops it
                     journal.end(dp.sid, dp.pid)
                 store.drop(dp.key)
                 continue
+            if not dp.info.running:
+                self._restore_ended(rec, dp)     # its key, if held, is dropped below
+                continue
+            if held is None or not await self._take_back(rec, dp, held):
+                held = None
+                later.append(dp)
+        if held is not None:
+            for key in held:
+                store.drop(key)
+        if later:
+            log.error("the descriptor keeper at %s does not answer: %d background "
+                      "processes are left running, untracked, until it does (asked again "
+                      "in the background; not killed: what it holds is unknown)",
+                      store.path, len(later))
+            task = asyncio.ensure_future(self._restore_later(later))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    def _live(self, sid: str) -> R | None:
+        try:
+            rec = self.node._find(sid)
+        except DsecError:
+            return None
+        return rec if rec.state in ("running", "paused") else None
+
+    @staticmethod
+    async def _held_keys(store: FdStore, waits: tuple[float, ...]) -> set[str] | None:
+        """The keys the keeper holds (empty: no keeper runs); None: one is there but did
+        not answer within any of ``waits`` (seconds) - not "nothing held"."""
+        for wait_s in waits:
             try:
-                if dp.info.running:
-                    await self._adopt(rec, dp, fds)
-                else:
-                    self._restore_ended(rec, dp)
-            except Exception:
-                log.exception("process %d of sandbox %s could not be taken back", dp.pid, sid)
-                with contextlib.suppress(DsecError):
-                    journal.end(dp.sid, dp.pid)
-                store.drop(dp.key)
-        for key in held:
-            store.drop(key)
+                return set(await asyncio.to_thread(store.keys, timeout_s=wait_s) or ())
+            except KeeperUnreachable as exc:
+                log.warning("%s", exc)
+        return None
+
+    async def _take_back(self, rec: R, dp: DurableProcess, held: set[str]) -> bool:
+        """Adopt one running entry with its descriptors (killed if the keeper holds none);
+        False if the keeper did not answer (left alone: not known lost)."""
+        journal, store = self._journal, self._store
+        assert journal is not None and store is not None
+        try:
+            fds = (await asyncio.to_thread(store.take, dp.key)) if dp.key in held else None
+        except KeeperUnreachable as exc:
+            log.warning("%s", exc)
+            return False
+        held.discard(dp.key)
+        try:
+            await self._adopt(rec, dp, fds)
+        except Exception:
+            log.exception("process %d of sandbox %s could not be taken back", dp.pid,
+                          dp.sid)
+            with contextlib.suppress(DsecError):    # a full disk: compaction drops it
+                journal.end(dp.sid, dp.pid)
+            store.drop(dp.key)
+        return True
+
+    async def _restore_later(self, waiting: list[DurableProcess]) -> None:
+        """Entries left alone at restore (the keeper did not answer): ask it again, with
+        a growing pause, and take each back once it answers - unless it went meanwhile
+        (its sandbox ended, or its pid was reused by a newer entry)."""
+        store, journal = self._store, self._journal
+        assert store is not None and journal is not None
+        pause = 2.0
+        while waiting:
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, 60.0)
+            held = await self._held_keys(store, (5.0,))
+            if held is None:
+                continue
+            left: list[DurableProcess] = []
+            for dp in waiting:
+                rec = self._live(dp.sid)
+                if (rec is None or journal.live.get((dp.sid, dp.pid)) is not dp
+                        or dp.pid in self._tables.get(dp.sid, {})):
+                    continue
+                if not await self._take_back(rec, dp, held):
+                    left.append(dp)
+            waiting = left
+        log.info("the descriptor keeper at %s answered: background processes taken back",
+                 store.path)
 
     def _insert(self, sid: str, dp: DurableProcess) -> _Process:
         """A journaled entry back in its sandbox's table (its ring reserved)."""

@@ -279,6 +279,37 @@ async def test_keeper_killed_too_ends_processes_with_a_reason(edge: EdgeProcess)
         assert _keepers(edge) == []
 
 
+async def test_a_keeper_that_does_not_answer_at_restart_costs_no_process(
+        edge: EdgeProcess) -> None:
+    """Red team 22, B1: the keeper is stopped (SIGSTOP: there, not answering) when the
+    edge restarts. Restore must not take that for "descriptors lost" and kill the
+    process: it stays running, and once the keeper answers again it is taken back."""
+    await edge.start()
+    async with await edge.client() as c:
+        sid = (await c.create(SPEC)).id
+        loop = await _start(c, sid, COUNT)
+        await _read(c, sid, loop.pid, lines=2)
+    (rec,) = _journaled(edge)
+    (keeper,) = _keepers(edge)
+    edge.kill9()
+    os.kill(keeper, signal.SIGSTOP)
+    try:
+        await edge.start()            # restore waits 5 s for the keeper, then goes on
+        assert _alive(rec.host_pid), "restore killed a process of a keeper that was slow"
+    finally:
+        os.kill(keeper, signal.SIGCONT)
+    async with await edge.client() as c:
+        for _ in range(100):          # taken back in the background (first retry: 2 s)
+            table = await _list(c, sid)
+            if loop.pid in table:
+                break
+            await asyncio.sleep(0.1)
+        assert table[loop.pid].running, table
+        out, _ = await _read(c, sid, loop.pid, lines=3)
+        assert len(_numbers(out)) >= 3
+    assert _alive(rec.host_pid)
+
+
 async def test_a_keeper_killed_while_the_edge_runs_is_replaced(edge: EdgeProcess) -> None:
     """The edge notices its keeper die and hands a new one every running process's
     descriptors at once, so a later edge kill -9 still keeps them."""
