@@ -41,7 +41,6 @@ from dsec.wire.calls import (
 )
 from dsec.wire.files import FileEvent, WatchEnd
 from dsec.wire.jsonform import run_item, stream_item
-from dsec.wire.process import ProcessRunLine
 from dsec.wire.ops import (
     USE_CLIENT_DEFAULT,
     Deadline,
@@ -51,6 +50,7 @@ from dsec.wire.ops import (
     UploadOp,
     UseClientDefault,
 )
+from dsec.wire.process import ProcessRunLine
 from dsec.wire.rest import decode_reply, encode_request
 from dsec.wire.spec import FileInfo
 

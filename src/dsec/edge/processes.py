@@ -79,7 +79,7 @@ import logging
 import os
 import signal as _signal
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, Literal, Protocol, TypeVar
 
@@ -926,7 +926,7 @@ class ProcessTable(Generic[R]):
         return [msgspec.structs.replace(p.info) for p in (table or {}).values()]
 
     async def run(self, sid: str, req: ExecRequest,
-                  ) -> AsyncIterator[ProcessInfo | ExecChunk | ExecResult]:
+                  ) -> AsyncGenerator[ProcessInfo | ExecChunk | ExecResult, None]:
         """``process_run`` (issue 20): :meth:`start` (the same admission, ring, journal and
         keeper), its :class:`ProcessInfo`, then what :meth:`connect` yields. The entry is
         taken right after the start, with no await between, so an eviction of an ended
