@@ -34,8 +34,9 @@ def counted(e2b_cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch,
 
 def test_commands_run_is_one_edge_call(e2b_target: E2BTarget,
                                        counted: dict[str, int]) -> None:
-    from e2b import Sandbox
     from e2b.sandbox.commands.command_handle import CommandExitException
+
+    from e2b import Sandbox
 
     sb = Sandbox.create(e2b_target.template, timeout=120, **e2b_target.opts())
     try:
