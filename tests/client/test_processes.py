@@ -128,6 +128,37 @@ async def test_process_run_disconnect_keeps_the_process(cluster: LocalCluster, s
         assert res.exit_code == 0 and res.stdout == b"ready\ngot-yo\n", res
 
 
+@pytest.mark.parametrize("protocol", ["aether", "http"])
+def test_sdk_start_followed_is_one_call(cluster: LocalCluster, sid: str, protocol: str,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """processes.start / exec(background=True) with a callback follow the process from its
+    start on the stream that started it (process_run): no process_connect, every byte
+    seen once; without one, a plain process_start."""
+    calls = {"run": 0, "connect": 0, "start": 0}
+    for node in cluster.runtime.nodes:
+        for name in calls:
+            real = getattr(node.processes, name)
+
+            def wrap(*a: Any, _real: Any = real, _name: str = name, **kw: Any) -> Any:
+                calls[_name] += 1
+                return _real(*a, **kw)
+            monkeypatch.setattr(node.processes, name, wrap)
+    with cluster.client(protocol=protocol, session_lease_s=None) as c:
+        sb = c.sandboxes.get(sid)
+        seen: list[bytes] = []
+        h = sb.processes.start("echo a; sleep 0.2; echo b >&2; echo c", on_stdout=seen.append,
+                               on_stderr=seen.append)
+        res = h.wait(timeout=30)
+        assert (res.exit_code, res.stdout, res.stderr) == (0, b"a\nc\n", b"b\n")
+        assert sorted(b"".join(seen).splitlines()) == [b"a", b"b", b"c"]
+        assert calls == {"run": 1, "connect": 0, "start": 1}, calls
+        bg = sb.exec("echo bg", background=True, on_stdout=seen.append)
+        assert bg.wait(timeout=30).stdout == b"bg\n" and seen[-1] == b"bg\n"
+        plain = sb.processes.start("echo plain")
+        assert plain.wait(timeout=30).stdout == b"plain\n"
+        assert calls == {"run": 2, "connect": 1, "start": 3}, calls
+
+
 async def test_async_sdk_pty(cluster: LocalCluster, sid: str) -> None:
     async with AsyncClient(cluster.url, cluster.api_key, session_lease_s=None) as c:
         sb = await c.sandboxes.get(sid)
