@@ -159,6 +159,45 @@ def test_sdk_start_followed_is_one_call(cluster: LocalCluster, sid: str, protoco
         assert calls == {"run": 2, "connect": 1, "start": 3}, calls
 
 
+def test_process_run_is_refused_as_process_start(cluster: LocalCluster,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A full table refuses a run as it refuses a start, at every door: REST answers the
+    start's 429 (not a 200 with an error line), the gateway and the SDK raise it."""
+    import dataclasses
+
+    from dsec.errors import RateLimited
+    from dsec.wire import ops
+    from dsec.wire.calls import ExecCall
+    from dsec.wire.spec import ExecRequest
+
+    for node in cluster.runtime.nodes:
+        monkeypatch.setattr(node.processes, "limits",
+                            dataclasses.replace(node.processes.limits, per_sandbox=1))
+    with cluster.client(protocol="aether", session_lease_s=None) as c:
+        sb = c.sandboxes.create(backend="container", memory="128MiB", detached=True)
+        try:
+            held = sb.processes.start("sleep 60")
+            r = httpx.post(f"{cluster.url}/v1/sandboxes/{sb.id}/processes/run",
+                           json={"shell": "echo no"}, timeout=30,
+                           headers={"authorization": f"Bearer {cluster.api_key}"})
+            assert r.status_code == 429 and r.json()["code"] == "rate_limited", r.text
+            assert "per-sandbox limit" in r.json()["message"]
+            with pytest.raises(RateLimited, match="per-sandbox limit"):
+                sb.processes.start("echo no", on_stdout=print)
+
+            async def gateway() -> None:
+                t = await c._a._transport()
+                async for _ in t.stream(ops.PROCESS_RUN, ExecCall(
+                        id=sb.id, req=ExecRequest(shell="echo no")), timeout=30):
+                    pass
+            with pytest.raises(RateLimited, match="per-sandbox limit"):
+                c._run(gateway())
+            assert [p.pid for p in sb.processes.list()] == [held.pid]
+            held.kill()
+        finally:
+            sb.kill()
+
+
 async def test_async_sdk_pty(cluster: LocalCluster, sid: str) -> None:
     async with AsyncClient(cluster.url, cluster.api_key, session_lease_s=None) as c:
         sb = await c.sandboxes.get(sid)

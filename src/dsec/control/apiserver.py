@@ -415,8 +415,16 @@ def build_app(service: ApiService, admin: AdminOps | None = None,
         body = await _read_body(request, cfg.max_exec_body)
         req = decode_request(ops.PROCESS_RUN, request.path_params,
                              request.query_params.multi_items(), request.headers, body)
-        stream = await run_policy(caller, req)
-        return exec_lines(stream, rid, run_line)
+        items = aiter(await run_policy(caller, req))
+        # the entry read before the answer starts: a refused start answers its own
+        # status (429, 503, ...) as POST .../processes does, not a 200 with an error line
+        first = await anext(items)
+
+        async def lines() -> AsyncIterator[Any]:
+            yield first
+            async for item in items:
+                yield item
+        return exec_lines(lines(), rid, run_line)
 
     route(doc_of(ops.PROCESS_RUN, response=ProcessRunLine,
                  media="application/x-ndjson"), process_run)
