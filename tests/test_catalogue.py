@@ -99,7 +99,7 @@ from dsec.wire.calls import (
 )
 from dsec.wire.cluster import JoinTokenCreate, JoinTokenRevoke
 from dsec.wire.files import ReadStream, Rename, Watch, WatchEnd, WriteStream
-from dsec.wire.jsonform import stream_item
+from dsec.wire.jsonform import run_item, stream_item
 from dsec.wire.layers import (
     ImagePin,
     ImagePinRef,
@@ -115,7 +115,14 @@ from dsec.wire.netpolicy import NetworkPolicy
 from dsec.wire.ops import ALL_OPS, Op, StreamOp, TunnelOp, UploadOp
 from dsec.wire.outcome import Batch, undecodable
 from dsec.wire.ports import PortConnect, PortExpose, PortRef
-from dsec.wire.process import ProcessInput, ProcessRef, ProcessSignal, PtyResize
+from dsec.wire.process import (
+    ProcessInput,
+    ProcessRef,
+    ProcessRunItem,
+    ProcessRunLine,
+    ProcessSignal,
+    PtyResize,
+)
 from dsec.wire.rest import decode_reply, encode_request
 from dsec.wire.spec import ExecChunk, ExecRequest, ExecResult, FileInfo, SandboxSpec
 
@@ -336,6 +343,8 @@ EXAMPLES: dict[str, Example] = {
     "process_start": lambda w: ExecCall(id=w.sid, req=ExecRequest(shell="echo hi",
                                                                   tag="cat")),
     "process_list": lambda w: SandboxRef(id=w.sid),
+    "process_run": lambda w: ExecCall(id=w.sid, req=ExecRequest(shell="echo hi",
+                                                                tag="cat-run")),
     "process_connect": lambda w: ProcessRef(id=w.sid, pid=w.process()),
     "process_input": lambda w: ProcessInput(id=w.sid, pid=w.process("cat", stdin=True),
                                             data=b"\x00\xffin"),
@@ -488,6 +497,9 @@ async def _aether(address: str, token: str | None, method: str, body: Any, op: O
             # a watch of a quiet directory ends at its timeout with no event
             assert (items or op is ops.FILE_WATCH) and all(
                 isinstance(i, op.item) for i in items), items
+            if op is ops.PROCESS_RUN:   # the entry first, then output only
+                assert items[0].started is not None and items[0].started.pid > 0, items
+                assert all(i.started is None for i in items[1:]) and len(items) > 1
             return s.result
         return await conn.call(method, body, response_type=reply_type, timeout=TIMEOUT)
     finally:
@@ -515,6 +527,15 @@ def _rest_call(w: World, op: Op[Any, Any], req: Any) -> Any:
         return resp.content
     if op is ops.FILE_WRITE_STREAM:
         return msgspec.json.decode(resp.content, type=FileInfo)
+    if op is ops.PROCESS_RUN:
+        run_lines = [msgspec.json.decode(ln, type=ProcessRunLine)
+                     for ln in resp.content.splitlines() if ln]
+        run = [run_item(ln) for ln in run_lines]
+        assert isinstance(run[0], ProcessRunItem) and run[0].started is not None, run
+        assert run[0].started.tag == "cat-run" and len(run) > 2, run
+        assert all(isinstance(i, ProcessRunItem) and i.started is None
+                   for i in run[1:-1]), run
+        return run[-1]
     if op.rest.reply == "ndjson":
         lines = [msgspec.json.decode(ln, type=ExecStreamLine)
                  for ln in resp.content.splitlines() if ln]
@@ -530,6 +551,14 @@ def _sdk_call(w: World, op: Op[Any, Any], req: Any, transport: str) -> Any:
             items = list(c.sandboxes.get(req.id).exec_stream(req.req.shell))
             assert len(items) > 1 and all(isinstance(i, ExecChunk) for i in items[:-1])
             return items[-1]
+        if op is ops.PROCESS_RUN:
+            async def run() -> list[Any]:
+                t = await c._a._transport()
+                return [i async for i in t.stream(op, req, timeout=None)]
+            got = c._run(run())
+            assert got[0].started is not None and got[0].started.pid > 0, got
+            assert all(i.started is None for i in got[1:-1]) and len(got) > 2, got
+            return got[-1]
         if op is ops.PROCESS_CONNECT:
             items = list(c.sandboxes.get(req.id).processes.connect(req.pid).stream())
             assert len(items) > 1 and all(isinstance(i, ExecChunk) for i in items[:-1])
@@ -908,6 +937,8 @@ INVALID: dict[str, list[Bad]] = {
                     Bad("timeout zero", lambda w: {"id": w.sid, "timeout_s": 0},
                         "must be within (0, ")],
 }
+# process_run starts as process_start does: the same request, refused by the same words
+INVALID["process_run"] = INVALID["process_start"]
 INVALID["create"] += [_spec_bad(f"network{suffix}", {"network": raw},
                                 needle.replace("policy", "network", 1), limit)
                       for suffix, raw, needle, limit in _NET_BAD]

@@ -90,6 +90,114 @@ def test_sync_sdk_processes(cluster: LocalCluster, sid: str, protocol: str) -> N
         assert b"".join(ch.data for ch in it) == b"a\nb\n"
 
 
+@pytest.mark.parametrize("protocol", ["aether", "http"])
+async def test_process_run_disconnect_keeps_the_process(cluster: LocalCluster, sid: str,
+                                                        protocol: str) -> None:
+    """process_run (issue 20) through the gateway and REST: the entry first, the output
+    as it comes; the reader leaving mid-stream ends the reader only, and another client
+    connects by the entry's pid, types into it and reads everything it printed."""
+    from dsec.wire import ops
+    from dsec.wire.calls import ExecCall
+    from dsec.wire.process import ProcessRunItem
+    from dsec.wire.spec import ExecRequest
+
+    req = ExecRequest(argv=("sh", "-c", "echo ready; read x; echo got-$x"),
+                      stdin_open=True, tag=f"run-{protocol}")
+    async with AsyncClient(cluster.url, cluster.api_key, protocol=protocol,
+                           gateway=cluster.gateway, session_lease_s=None) as c:
+        t = await c._transport()
+        stream = t.stream(ops.PROCESS_RUN, ExecCall(id=sid, req=req), timeout=None)
+        first = await anext(stream)
+        assert isinstance(first, ProcessRunItem) and first.started is not None
+        pid = first.started.pid
+        assert pid > 1 and first.started.tag == f"run-{protocol}" and first.started.running
+        out = b""
+        while b"ready\n" not in out:
+            item = await asyncio.wait_for(anext(stream), 30)
+            assert isinstance(item, ProcessRunItem) and item.started is None, item
+            out += item.data
+        await stream.aclose()                 # the client goes away mid-stream
+    async with AsyncClient(cluster.url, cluster.api_key, protocol=protocol,
+                           gateway=cluster.gateway, session_lease_s=None) as c2:
+        sb = await c2.sandboxes.get(sid)
+        info = next(p for p in await sb.processes.list() if p.pid == pid)
+        assert info.running, info                      # it outlived its first reader
+        q = await sb.processes.connect(pid)
+        await q.send_stdin(b"yo\n")
+        res = await q.wait(timeout=30)
+        assert res.exit_code == 0 and res.stdout == b"ready\ngot-yo\n", res
+
+
+@pytest.mark.parametrize("protocol", ["aether", "http"])
+def test_sdk_start_followed_is_one_call(cluster: LocalCluster, sid: str, protocol: str,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """processes.start / exec(background=True) with a callback follow the process from its
+    start on the stream that started it (process_run): no process_connect, every byte
+    seen once; without one, a plain process_start."""
+    calls = {"run": 0, "connect": 0, "start": 0}
+    for node in cluster.runtime.nodes:
+        for name in calls:
+            real = getattr(node.processes, name)
+
+            def wrap(*a: Any, _real: Any = real, _name: str = name, **kw: Any) -> Any:
+                calls[_name] += 1
+                return _real(*a, **kw)
+            monkeypatch.setattr(node.processes, name, wrap)
+    with cluster.client(protocol=protocol, session_lease_s=None) as c:
+        sb = c.sandboxes.get(sid)
+        seen: list[bytes] = []
+        h = sb.processes.start("echo a; sleep 0.2; echo b >&2; echo c", on_stdout=seen.append,
+                               on_stderr=seen.append)
+        res = h.wait(timeout=30)
+        assert (res.exit_code, res.stdout, res.stderr) == (0, b"a\nc\n", b"b\n")
+        assert sorted(b"".join(seen).splitlines()) == [b"a", b"b", b"c"]
+        assert calls == {"run": 1, "connect": 0, "start": 1}, calls
+        bg = sb.exec("echo bg", background=True, on_stdout=seen.append)
+        assert bg.wait(timeout=30).stdout == b"bg\n" and seen[-1] == b"bg\n"
+        plain = sb.processes.start("echo plain")
+        assert plain.wait(timeout=30).stdout == b"plain\n"
+        assert calls == {"run": 2, "connect": 1, "start": 3}, calls
+
+
+def test_process_run_is_refused_as_process_start(cluster: LocalCluster,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A full table refuses a run as it refuses a start, at every door: REST answers the
+    start's 429 (not a 200 with an error line), the gateway and the SDK raise it."""
+    import dataclasses
+
+    from dsec.errors import RateLimited
+    from dsec.wire import ops
+    from dsec.wire.calls import ExecCall
+    from dsec.wire.spec import ExecRequest
+
+    for node in cluster.runtime.nodes:
+        monkeypatch.setattr(node.processes, "limits",
+                            dataclasses.replace(node.processes.limits, per_sandbox=1))
+    with cluster.client(protocol="aether", session_lease_s=None) as c:
+        sb = c.sandboxes.create(backend="container", memory="128MiB", detached=True)
+        try:
+            held = sb.processes.start("sleep 60")
+            r = httpx.post(f"{cluster.url}/v1/sandboxes/{sb.id}/processes/run",
+                           json={"shell": "echo no"}, timeout=30,
+                           headers={"authorization": f"Bearer {cluster.api_key}"})
+            assert r.status_code == 429 and r.json()["code"] == "rate_limited", r.text
+            assert "per-sandbox limit" in r.json()["message"]
+            with pytest.raises(RateLimited, match="per-sandbox limit"):
+                sb.processes.start("echo no", on_stdout=print)
+
+            async def gateway() -> None:
+                t = await c._a._transport()
+                async for _ in t.stream(ops.PROCESS_RUN, ExecCall(
+                        id=sb.id, req=ExecRequest(shell="echo no")), timeout=30):
+                    pass
+            with pytest.raises(RateLimited, match="per-sandbox limit"):
+                c._run(gateway())
+            assert [p.pid for p in sb.processes.list()] == [held.pid]
+            held.kill()
+        finally:
+            sb.kill()
+
+
 async def test_async_sdk_pty(cluster: LocalCluster, sid: str) -> None:
     async with AsyncClient(cluster.url, cluster.api_key, session_lease_s=None) as c:
         sb = await c.sandboxes.get(sid)
@@ -164,7 +272,8 @@ def test_another_project_cannot_touch_the_processes(cluster: LocalCluster, sid: 
                              ("DELETE", f"/{p.pid}/stdin", {}),
                              ("POST", f"/{p.pid}/signal", {"json": {"signal": 9}}),
                              ("POST", f"/{p.pid}/resize", {"json": {"cols": 1, "rows": 1}}),
-                             ("POST", "", {"json": {"shell": "id"}})]:
+                             ("POST", "", {"json": {"shell": "id"}}),
+                             ("POST", "/run", {"json": {"shell": "id"}})]:
         r = httpx.request(method, base + path, headers=h, timeout=30, **kw)
         assert r.status_code == 404 and r.json()["code"] == "sandbox_not_found", (path, r.text)
     # the Aether gateway, raw
@@ -183,18 +292,20 @@ def test_another_project_cannot_touch_the_processes(cluster: LocalCluster, sid: 
                     codes.append("ok")
                 except DsecError as exc:
                     codes.append(exc.code)
-            s = conn.stream("api.process_connect", {"id": sid, "pid": p.pid}, timeout=30)
-            try:
-                async with s:
-                    async for _ in s:
-                        pass
-                codes.append("ok")
-            except DsecError as exc:
-                codes.append(exc.code)
+            for method, body in [("api.process_connect", {"id": sid, "pid": p.pid}),
+                                 ("api.process_run", {"id": sid, "req": {"shell": "id"}})]:
+                s = conn.stream(method, body, timeout=30)
+                try:
+                    async with s:
+                        async for _ in s:
+                            pass
+                    codes.append("ok")
+                except DsecError as exc:
+                    codes.append(exc.code)
         finally:
             await conn.close()
         return codes
-    assert cluster._on_loop(gateway(), timeout=60) == ["sandbox_not_found"] * 4
+    assert cluster._on_loop(gateway(), timeout=60) == ["sandbox_not_found"] * 5
     # the SDK says so too
     from dsec.client.sync import Client
     from dsec.wire import ops

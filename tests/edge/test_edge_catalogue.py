@@ -106,6 +106,7 @@ EXAMPLES: dict[str, Example] = {
     "set_timeout": lambda w: {"id": w.sid, "timeout_s": 3600.0},
     "process_start": lambda w: {"id": w.keep, "req": {"shell": "echo hi", "tag": "t"}},
     "process_list": lambda w: {"id": w.keep},
+    "process_run": lambda w: {"id": w.keep, "req": {"shell": "echo hi", "tag": "r"}},
     "process_connect": lambda w: {"id": w.keep, "pid": w.pid},
     "process_input": lambda w: {"id": w.keep, "pid": w.stdin_pid, "data": b"in"},
     "process_close_stdin": lambda w: {"id": w.keep, "pid": w.stdin_pid},

@@ -42,13 +42,13 @@ def _ids(op: Op[Any, Any]) -> str:
 
 def test_catalogue_has_the_82_operations_each_once() -> None:
     names = [op.name for op in ALL_OPS]
-    assert len(names) == len(set(names)) == 82
+    assert len(names) == len(set(names)) == 83
     assert set(BY_NAME) == set(names)
     # every row constant of the module is in ALL_OPS, and nothing else is
     constants = {v for k, v in vars(ops).items() if k.isupper() and isinstance(v, Op)}
     assert constants == set(ALL_OPS)
     assert {op.name for op in EDGE_OPS} == {op.name for op in ALL_OPS if "edge" in op.doors}
-    assert len(EDGE_OPS) == 49 and len(GATEWAY_OPS) == 70 and len(REST_OPS) == 72
+    assert len(EDGE_OPS) == 50 and len(GATEWAY_OPS) == 71 and len(REST_OPS) == 73
 
 
 def test_rest_routes_and_operation_ids_are_unique() -> None:
@@ -130,7 +130,7 @@ def test_annotations_match_rows() -> None:
         got = tuple(None if a is type(None) else a for a in args)
         assert got == want, f"{name}: annotation {ann} but the row has {want}"
         checked += 1
-    assert checked == 82
+    assert checked == 83
 
 
 def _types_of(op: Op[Any, Any]) -> list[Any]:
@@ -213,7 +213,7 @@ def test_effect_and_method_names() -> None:
 
 def test_rows_are_singletons() -> None:
     assert ops.GET == ops.GET and ops.GET != ops.STATS
-    assert len({*ALL_OPS}) == 82
+    assert len({*ALL_OPS}) == 83
 
 
 def test_a_request_type_names_invalid_input_in_its_error() -> None:

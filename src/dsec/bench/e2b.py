@@ -3,12 +3,12 @@
 - ``e2b_create_p50_ms``: the stock SDK's ``Sandbox.create`` through the layer (REST
   create, 201, the SDK's own set-up), container backend;
 - ``e2b_exec_p50_ms``: ``commands.run("true")`` through the layer (envd ``Start``:
-  Connect streaming over HTTP/1.1 onto dsec's process table: ``process_start`` then
-  ``process_connect``), and ``native_exec_p50_ms``: dsec's ``sb.exec`` of the very argv
-  E2B sends (``/bin/bash -l -c true``) over the Aether gateway, on the same sandbox,
-  interleaved; ``native_process_p50_ms`` beside them: dsec's own
-  ``sb.processes.start(argv).wait()``, the path the layer takes, so
-  ``e2b_exec_p50_ms - native_process_p50_ms`` is what the layer itself adds;
+  Connect streaming over HTTP/1.1 onto dsec's process table: one ``process_run``
+  stream since issue 20, before it ``process_start`` then ``process_connect``), and
+  ``native_exec_p50_ms``: dsec's ``sb.exec`` of the very argv E2B sends
+  (``/bin/bash -l -c true``) over the Aether gateway, on the same sandbox, interleaved;
+  ``native_process_p50_ms`` beside them: dsec's own ``sb.processes.start(argv).wait()``
+  (two calls on the process table: what the layer did before ``process_run``);
 - ``e2b_calls_compatible_ratio``: the fraction of the stock SDK calls of
   :data:`dsec.bench._e2b_calls.CALLS` that behaved as E2B documents in this run
   (documented gaps count against it).

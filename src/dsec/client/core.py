@@ -50,7 +50,13 @@ from dsec.client.files import AsyncFiles
 from dsec.client.images import AsyncImages
 from dsec.client.network import AsyncNetwork
 from dsec.client.parts import closing
-from dsec.client.processes import AsyncProcesses, AsyncProcessHandle, AsyncPty, OutputCallback
+from dsec.client.processes import (
+    AsyncProcesses,
+    AsyncProcessHandle,
+    AsyncPty,
+    OutputCallback,
+    start_process,
+)
 from dsec.errors import (
     ConnectFailed,
     ConnectionLost,
@@ -1042,8 +1048,7 @@ class AsyncSandbox:
             # takes one)
             req = _exec_req(cmd, timeout=None, env=env, cwd=cwd, stdin=stdin, user=user,
                             output_cap=output_cap)
-            info = await self._c.call(ops.PROCESS_START, WireExecCall(id=self.id, req=req))
-            return AsyncProcessHandle(self, info, on_stdout=on_stdout, on_stderr=on_stderr)
+            return await start_process(self, req, on_stdout=on_stdout, on_stderr=on_stderr)
         req = _exec_req(cmd, timeout=timeout, env=env, cwd=cwd, stdin=stdin, user=user,
                         output_cap=output_cap)
         if on_stdout is not None or on_stderr is not None:

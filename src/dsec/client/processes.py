@@ -22,13 +22,14 @@ from typing import Protocol
 import msgspec
 
 from dsec.client.parts import Runs, SandboxPart, closing
-from dsec.errors import InvalidArgument, RequestTimeout
+from dsec.errors import InvalidArgument, RemoteProtocolError, RequestTimeout
 from dsec.wire import ops
 from dsec.wire.calls import ExecCall, SandboxRef
 from dsec.wire.process import (
     ProcessInfo,
     ProcessInput,
     ProcessRef,
+    ProcessRunItem,
     ProcessSignal,
     PtyResize,
     PtySize,
@@ -85,7 +86,9 @@ class AsyncProcessHandle:
 
     def __init__(self, sb: _Sandbox, info: ProcessInfo, *,
                  on_stdout: OutputCallback | None = None,
-                 on_stderr: OutputCallback | None = None) -> None:
+                 on_stderr: OutputCallback | None = None,
+                 _items: AsyncGenerator[ExecChunk | ExecResult, None] | None = None,
+                 ) -> None:
         self._sb = sb
         self.info = info
         self.pid: int = info.pid
@@ -93,8 +96,8 @@ class AsyncProcessHandle:
         self.on_stderr = on_stderr
         self._result: ExecResult | None = None
         self._follow: asyncio.Task[ExecResult] | None = None
-        if on_stdout is not None or on_stderr is not None:
-            self._follow = asyncio.ensure_future(self._consume())
+        if _items is not None or on_stdout is not None or on_stderr is not None:
+            self._follow = asyncio.ensure_future(self._consume(_items))
             # nobody may ever wait() for it: its error (a closed client) is not a warning
             self._follow.add_done_callback(
                 lambda t: None if t.cancelled() else t.exception())
@@ -132,11 +135,14 @@ class AsyncProcessHandle:
                 if isinstance(item, ExecChunk):
                     yield item
 
-    async def _consume(self) -> ExecResult:
+    async def _consume(self, source: AsyncGenerator[ExecChunk | ExecResult, None] | None = None,
+                       ) -> ExecResult:
+        """Follow it to its end: ``source`` (the rest of the ``process_run`` stream that
+        started it), else a new ``process_connect``."""
         out, err = bytearray(), bytearray()
         t_out = t_err = False
         result: ExecResult | None = None
-        async with contextlib.aclosing(self.stream()) as items:
+        async with contextlib.aclosing(self.stream() if source is None else source) as items:
             async for item in items:
                 if isinstance(item, ExecResult):
                     result = item
@@ -221,8 +227,7 @@ class AsyncProcesses:
         ``on_stderr`` are called with each piece of output as it arrives."""
         req = process_request(cmd, pty=pty, tag=tag, env=env, cwd=cwd, user=user,
                               timeout=timeout, stdin=stdin)
-        info = await self._sb._c.call(ops.PROCESS_START, ExecCall(id=self._sb.id, req=req))
-        return AsyncProcessHandle(self._sb, info, on_stdout=on_stdout, on_stderr=on_stderr)
+        return await start_process(self._sb, req, on_stdout=on_stdout, on_stderr=on_stderr)
 
     async def list(self) -> list[ProcessInfo]:
         """The sandbox's processes started this way, running and ended (oldest first)."""
@@ -240,6 +245,47 @@ class AsyncProcesses:
         raise NotFound(f"sandbox {self._sb.id} has no process {pid} started with "
                        "processes.start (see processes.list())", sandbox_id=self._sb.id,
                        pid=pid)
+
+
+async def start_process(sb: _Sandbox, req: ExecRequest, *,
+                        on_stdout: OutputCallback | None = None,
+                        on_stderr: OutputCallback | None = None) -> AsyncProcessHandle:
+    """Start ``req`` in ``sb``'s process table: ``process_start``, or, followed from the
+    start (a callback given), one ``process_run`` (issue 20) instead of
+    ``process_start`` then ``process_connect``: its first item is the entry, the rest
+    feeds the callbacks (nothing printed in between is read twice or missed)."""
+    call = ExecCall(id=sb.id, req=req)
+    if on_stdout is None and on_stderr is None:
+        return AsyncProcessHandle(sb, await sb._c.call(ops.PROCESS_START, call))
+    t = await sb._c._transport()
+    run = t.stream(ops.PROCESS_RUN, call, timeout=None)
+    try:
+        first = await anext(run)
+        if not isinstance(first, ProcessRunItem) or first.started is None:
+            raise RemoteProtocolError(f"process_run in sandbox {sb.id} did not answer "
+                                      "with the process's entry first")
+    except BaseException:
+        await _aclose(run)
+        raise
+    return AsyncProcessHandle(sb, first.started, on_stdout=on_stdout, on_stderr=on_stderr,
+                              _items=_chunks(run))
+
+
+async def _aclose(items: object) -> None:
+    aclose = getattr(items, "aclose", None)
+    if aclose is not None:
+        await aclose()
+
+
+async def _chunks(run: AsyncIterator[ProcessRunItem | ExecResult],
+                  ) -> AsyncGenerator[ExecChunk | ExecResult, None]:
+    """The rest of a ``process_run`` stream as ``process_connect`` yields it."""
+    try:
+        async for item in run:
+            yield (ExecChunk(stream=item.stream, data=item.data)
+                   if isinstance(item, ProcessRunItem) else item)
+    finally:
+        await _aclose(run)
 
 
 class AsyncPty:

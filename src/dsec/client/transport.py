@@ -40,7 +40,7 @@ from dsec.wire.calls import (
     Empty,
 )
 from dsec.wire.files import FileEvent, WatchEnd
-from dsec.wire.jsonform import stream_item
+from dsec.wire.jsonform import run_item, stream_item
 from dsec.wire.ops import (
     USE_CLIENT_DEFAULT,
     Deadline,
@@ -50,6 +50,7 @@ from dsec.wire.ops import (
     UploadOp,
     UseClientDefault,
 )
+from dsec.wire.process import ProcessRunLine
 from dsec.wire.rest import decode_reply, encode_request
 from dsec.wire.spec import FileInfo
 
@@ -155,6 +156,11 @@ class HttpTransport:
         t = self.timeout if isinstance(timeout, UseClientDefault) else timeout
         if op is ops.FILE_WATCH:
             item_of: Any = _watch_item
+        elif op is ops.PROCESS_RUN:
+            run_dec = msgspec.json.Decoder(ProcessRunLine)
+
+            def item_of(line: str) -> Any:
+                return run_item(run_dec.decode(line))
         else:
             dec = msgspec.json.Decoder(ExecStreamLine)
 

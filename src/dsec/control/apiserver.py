@@ -74,9 +74,17 @@ from dsec.wire.calls import (
     ExecCall,
     ImageUpload,
 )
-from dsec.wire.jsonform import carries_exec, exec_output, exec_request, json_form, stream_line
+from dsec.wire.jsonform import (
+    carries_exec,
+    exec_output,
+    exec_request,
+    json_form,
+    run_line,
+    stream_line,
+)
 from dsec.wire.ops import Op as CatalogueOp
 from dsec.wire.outcome import undecodable
+from dsec.wire.process import ProcessRunLine
 from dsec.wire.rest import decode_json, decode_request
 
 __all__ = ["AdminOps", "FastPaths", "RestConfig", "build_app"]
@@ -356,14 +364,15 @@ def build_app(service: ApiService, admin: AdminOps | None = None,
     # By hand: exec's JSON forms (base64 or text stdin and output, wire.jsonform).
     route(doc_of(ops.EXEC, request=ExecBody, response=ExecOutput), exec_)
 
-    def exec_lines(stream: AsyncIterator[Any], rid: str) -> StreamingResponse:
+    def exec_lines(stream: AsyncIterator[Any], rid: str,
+                   line: Callable[[Any], Any] = stream_line) -> StreamingResponse:
         """exec_stream's and process_connect's NDJSON answer: an output line per item,
         then the final line; an error mid-stream is one last line, redacted and with its
         detail (may_have_run), as every other answer."""
         async def lines() -> AsyncIterator[bytes]:
             try:
                 async for item in stream:
-                    yield _json.encode(stream_line(item)) + b"\n"
+                    yield _json.encode(line(item)) + b"\n"
             except DsecError as exc:
                 exc = service.redact(exc)
                 detail = {k: v for k, v in exc.detail.items()
@@ -398,6 +407,27 @@ def build_app(service: ApiService, admin: AdminOps | None = None,
 
     route(doc_of(ops.PROCESS_CONNECT, response=ExecStreamLine,
                  media="application/x-ndjson"), process_connect)
+    # Issue 20: process_run, process_start's request answered with process_connect's
+    # lines after a first line with the process's entry (``started``).
+    run_policy = service.stream_handler(ops.PROCESS_RUN)
+
+    async def process_run(request: Request, caller: Caller, rid: str) -> Response:
+        body = await _read_body(request, cfg.max_exec_body)
+        req = decode_request(ops.PROCESS_RUN, request.path_params,
+                             request.query_params.multi_items(), request.headers, body)
+        items = aiter(await run_policy(caller, req))
+        # the entry read before the answer starts: a refused start answers its own
+        # status (429, 503, ...) as POST .../processes does, not a 200 with an error line
+        first = await anext(items)
+
+        async def lines() -> AsyncIterator[Any]:
+            yield first
+            async for item in items:
+                yield item
+        return exec_lines(lines(), rid, run_line)
+
+    route(doc_of(ops.PROCESS_RUN, response=ProcessRunLine,
+                 media="application/x-ndjson"), process_run)
     from dsec.control.api.process_ws import attach_route
     routes.append(attach_route(service))  # type: ignore[arg-type]  # a WebSocketRoute
 
@@ -456,7 +486,7 @@ def build_app(service: ApiService, admin: AdminOps | None = None,
 
     # Every other row is served from the row alone (admin rows when admin is given).
     by_hand = {ops.CREATE, ops.EXEC, ops.EXEC_STREAM, ops.IMAGE_BUILD, ops.IMAGE_IMPORT,
-               ops.PROCESS_CONNECT, *file_rows}
+               ops.PROCESS_CONNECT, ops.PROCESS_RUN, *file_rows}
     for row in ops.REST_OPS:
         if row not in by_hand and (admin is not None or row not in _ADMIN_ROWS):
             serve(row)

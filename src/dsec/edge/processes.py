@@ -86,7 +86,7 @@ import logging
 import os
 import signal as _signal
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, Literal, Protocol, TypeVar
 
@@ -1024,9 +1024,27 @@ class ProcessTable(Generic[R]):
         table = self._tables.get(sid)
         return [msgspec.structs.replace(p.info) for p in (table or {}).values()]
 
+    async def run(self, sid: str, req: ExecRequest,
+                  ) -> AsyncGenerator[ProcessInfo | ExecChunk | ExecResult, None]:
+        """``process_run`` (issue 20): :meth:`start` (the same admission, ring, journal and
+        keeper), its :class:`ProcessInfo`, then what :meth:`connect` yields. The entry is
+        taken right after the start, with no await between, so an eviction of an ended
+        entry (a quick command, a concurrent start) cannot lose its output or its end;
+        output written while the pid travels waits in the ring. Closing this stream ends
+        the reader only: the process runs on, in the table, for any client."""
+        info = await self.start(sid, req)
+        p = self._tables[sid][info.pid]
+        yield info
+        async for item in self._follow(sid, info.pid, p):
+            yield item
+
     async def connect(self, sid: str, pid: int) -> AsyncIterator[ExecChunk | ExecResult]:
         """The ring, then live output, then the result (as :meth:`exec_stream` yields)."""
-        p = self._get(sid, pid)
+        async for item in self._follow(sid, pid, self._get(sid, pid)):
+            yield item
+
+    async def _follow(self, sid: str, pid: int,
+                      p: _Process) -> AsyncIterator[ExecChunk | ExecResult]:
         replay = list(p.ring)
         if p.result is not None:
             for c in replay:

@@ -72,10 +72,12 @@ from dsec.wire.process import (
     ProcessInput,
     ProcessList,
     ProcessRef,
+    ProcessRunItem,
     ProcessSignal,
     PtyResize,
 )
 from dsec.wire.spec import (
+    ExecChunk,
     ExecResult,
     FileInfo,
     NetworkView,
@@ -187,6 +189,23 @@ class EdgeHandlers:
                 return item
             await out.send(item)
         raise RemoteProtocolError(f"process {b.pid} of {b.id} ended without a result")
+
+    async def process_run(self, b: ExecCall, out: StreamSender) -> ExecResult:
+        """``process_start`` + ``process_connect`` in one call (issue 20): the entry, its
+        output as :class:`ProcessRunItem` s, then its end. The caller going away closes
+        the generator (the reader leaves), never the process."""
+        it = self.node.processes.run(b.id, b.req)
+        try:
+            async for item in it:
+                if isinstance(item, ExecResult):
+                    return item
+                if isinstance(item, ExecChunk):
+                    await out.send(ProcessRunItem(stream=item.stream, data=item.data))
+                else:
+                    await out.send(ProcessRunItem(started=item))
+        finally:
+            await it.aclose()
+        raise RemoteProtocolError(f"process_run in {b.id} ended without a result")
 
     async def process_input(self, b: ProcessInput) -> None:
         await self.node.processes.input(b.id, b.pid, b.data)

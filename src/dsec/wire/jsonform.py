@@ -17,6 +17,7 @@ import msgspec
 
 from dsec.errors import InvalidArgument, error_from_wire
 from dsec.wire.api import Encoding, ExecBody, ExecOutput, ExecStreamLine
+from dsec.wire.process import ProcessRunItem, ProcessRunLine
 from dsec.wire.spec import MAX_STDIN_BYTES, ExecChunk, ExecRequest, ExecResult
 
 __all__ = [
@@ -28,6 +29,8 @@ __all__ = [
     "from_json",
     "from_text",
     "json_form",
+    "run_item",
+    "run_line",
     "stream_item",
     "stream_line",
     "text_or_base64",
@@ -131,6 +134,28 @@ def stream_item(line: ExecStreamLine) -> ExecChunk | ExecResult:
                           duration_s=line.duration_s or 0.0, oom_killed=line.oom_killed)
     return ExecChunk(stream=line.stream or "stdout",
                      data=from_text(line.data or "", line.encoding, field="data"))
+
+
+def run_line(item: ProcessRunItem | ExecResult) -> ExecStreamLine:
+    """One NDJSON line of ``process_run``: its entry (``started``), an output chunk (as
+    :func:`stream_line` writes one), or its end."""
+    if isinstance(item, ExecResult):
+        return stream_line(item)
+    if item.started is not None:
+        return ProcessRunLine(started=item.started)
+    data, enc = text_or_base64(item.data)
+    return ExecStreamLine(stream=item.stream, data=data, encoding=enc)
+
+
+def run_item(line: ProcessRunLine) -> ProcessRunItem | ExecResult:
+    """What one ``process_run`` NDJSON line stands for (the inverse of :func:`run_line`;
+    an ``error`` line raises it)."""
+    if line.started is not None and line.error is None:
+        return ProcessRunItem(started=line.started)
+    item = stream_item(line)
+    if isinstance(item, ExecResult):
+        return item
+    return ProcessRunItem(stream=item.stream, data=item.data)
 
 
 # ------------------------------------------------- exec records inside other records

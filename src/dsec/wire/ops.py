@@ -133,6 +133,7 @@ from dsec.wire.process import (
     ProcessInput,
     ProcessList,
     ProcessRef,
+    ProcessRunItem,
     ProcessSignal,
     PtyResize,
 )
@@ -215,6 +216,7 @@ __all__ = [
     "PROCESS_CONNECT",
     "PROCESS_INPUT",
     "PROCESS_LIST",
+    "PROCESS_RUN",
     "PROCESS_SIGNAL",
     "PROCESS_START",
     "PROJECTS",
@@ -1066,6 +1068,20 @@ PROCESS_CONNECT: StreamOp[ProcessRef, ExecChunk, ExecResult] = StreamOp(
     rest=Rest(method="GET", path="/v1/sandboxes/{id}/processes/{pid}/output",
               operation_id="connectProcess", reply="ndjson", tag="processes"))
 
+# Issue 20: start + connect in one edge call (an E2B `commands.run` was two: start, then
+# connect). Starts exactly as process_start (same admission, ring, durability, role);
+# the stream is a process_connect's, with the process's entry as its first item. The
+# reader going away ends the reader, not the process.
+PROCESS_RUN: StreamOp[ExecCall, ProcessRunItem, ExecResult] = StreamOp(
+    "process_run", ExecCall, ExecResult, item=ProcessRunItem,
+    summary="Start a background process and follow it: its entry (pid) first, then its "
+            "output, then its exit (process_start + process_connect in one call)",
+    role="member", target="sandbox", idempotent=False, doors=ALL_DOORS,
+    deadline=_no_deadline,
+    rest=Rest(method="POST", path="/v1/sandboxes/{id}/processes/run",
+              operation_id="runProcess", body="req", body_limit="exec", reply="ndjson",
+              tag="processes"))
+
 PROCESS_INPUT: Op[ProcessInput, None] = Op(
     "process_input", ProcessInput, None,
     summary="Write bytes to a process's stdin (or its terminal)",
@@ -1142,6 +1158,7 @@ ALL_OPS: Final[tuple[Op[Any, Any], ...]] = (
     PROCESS_CLOSE_STDIN,
     PROCESS_SIGNAL,
     PTY_RESIZE,
+    PROCESS_RUN,
 )
 BY_NAME: Final[Mapping[str, Op[Any, Any]]] = {op.name: op for op in ALL_OPS}
 EDGE_OPS: Final[tuple[Op[Any, Any], ...]] = tuple(op for op in ALL_OPS if "edge" in op.doors)

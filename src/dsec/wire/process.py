@@ -9,14 +9,22 @@ to its stdin (kept a pipe with ``ExecRequest.stdin_open``, or the terminal of a 
 process, ``ExecRequest.pty``), ``process_signal`` signals its process group, ``pty_resize``
 sets its terminal's size (TIOCSWINSZ; the foreground group gets SIGWINCH).
 
+``process_run`` (issue 20) is ``process_start`` and ``process_connect`` in one call: one
+stream whose first item carries the :class:`ProcessInfo` (its pid: other clients connect,
+type and signal by it), then the output, then the exit. Its reader going away ends only
+the reader, never the process.
+
 ``pid`` is the process's pid inside the sandbox (what ``ps`` there shows).
 """
 
 from __future__ import annotations
 
+from typing import Literal
+
 import msgspec
 
 from dsec.errors import InvalidArgument
+from dsec.wire.api import ExecStreamLine
 from dsec.wire.calls import _Call
 from dsec.wire.spec import (
     MAX_PROCESS_INPUT_BYTES,
@@ -35,6 +43,8 @@ __all__ = [
     "ProcessInput",
     "ProcessList",
     "ProcessRef",
+    "ProcessRunItem",
+    "ProcessRunLine",
     "ProcessSignal",
     "PtyResize",
     "PtySize",
@@ -69,6 +79,28 @@ class ProcessInfo(msgspec.Struct, kw_only=True, omit_defaults=True):
     ended_at: float | None = None
     #: output bytes that fell off the front of the ring (a connect no longer sees them)
     output_dropped: int = 0
+
+
+class ProcessRunItem(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """One item of ``process_run``'s stream: the first has ``started`` (the process's
+    entry, as ``process_start`` answers it), every later one is a piece of output
+    (``stream`` + ``data``, as an :class:`~dsec.wire.spec.ExecChunk`).
+
+    One struct rather than ``ProcessInfo | ExecChunk``: msgpack and JSON decoders need
+    one type per item (two untagged structs cannot be told apart), and tagging
+    ``ExecChunk`` would change every other stream's wire form."""
+
+    started: ProcessInfo | None = None
+    stream: Literal["stdout", "stderr"] = "stdout"
+    data: bytes = b""
+
+
+class ProcessRunLine(ExecStreamLine, kw_only=True, omit_defaults=True):
+    """One NDJSON line of ``POST /v1/sandboxes/{id}/processes/run``: the first has
+    ``started`` (the process's entry), then output lines and the end line, as
+    ``exec/stream`` writes them."""
+
+    started: ProcessInfo | None = None
 
 
 class ProcessList(msgspec.Struct, kw_only=True):

@@ -157,7 +157,7 @@ from dsec.wire.ports import (
     PortExpose,
     PortRecord,
 )
-from dsec.wire.process import ProcessRef
+from dsec.wire.process import ProcessRef, ProcessRunItem
 from dsec.wire.spec import (
     FILE_CHUNK_BYTES,
     MAX_FILE_READ_BYTES,
@@ -1843,6 +1843,7 @@ class ApiService:
             "process_start": functools.partial(fwd, ops.PROCESS_START),
             "process_list": functools.partial(fwd, ops.PROCESS_LIST),
             "process_connect": self._process_connect_op,
+            "process_run": self._process_run_op,
             "process_input": functools.partial(fwd, ops.PROCESS_INPUT),
             "process_close_stdin": functools.partial(fwd, ops.PROCESS_CLOSE_STDIN),
             "process_signal": functools.partial(fwd, ops.PROCESS_SIGNAL),
@@ -2102,6 +2103,31 @@ class ApiService:
         except _LINK_ERRORS as exc:
             raise _unreachable(node_of(b.id), "process_connect", b.id, exc, effect=False,
                                sent=True) from exc
+
+    async def _process_run_op(self, caller: Caller, b: ExecCall,
+                              ) -> AsyncIterator[ProcessRunItem | ExecResult]:
+        """process_start's rule (member on the sandbox's project, waking a paused
+        sandbox within its quota), checked before the stream starts; then one edge
+        stream: the entry, the output, the end (issue 20)."""
+        edge, _ = await self._edge_for(caller, b.id, "member", wake=True)
+        return self._process_run_stream(edge, b)
+
+    async def _process_run_stream(self, edge: EdgeOps, b: ExecCall,
+                                  ) -> AsyncIterator[ProcessRunItem | ExecResult]:
+        sent = not getattr(getattr(edge, "conn", None), "closed", False)
+        try:
+            async for item in edge.stream(ops.PROCESS_RUN, b, timeout=None):
+                yield item
+        except SandboxNotFound:
+            lost = self._vanished(b.id)
+            if lost is not None:
+                raise _lost_error(lost) from None
+            raise _not_found(b.id) from None
+        except _LINK_ERRORS as exc:
+            # the process may have started (after the first item it has, and runs on:
+            # process_list / process_connect by its pid reach it)
+            raise _unreachable(node_of(b.id), "process_run", b.id, exc, effect=True,
+                               sent=sent) from exc
 
     async def _read_file_op(self, caller: Caller, b: ReadFile) -> bytes:
         return await self.read_file(caller, b.id, b.path, b.offset, b.length, b.user)

@@ -61,6 +61,7 @@ from dsec.errors import (
     InvalidTransition,
     NotFound,
     PermissionDenied,
+    RemoteProtocolError,
     SandboxNotFound,
     Unauthenticated,
 )
@@ -78,7 +79,14 @@ from dsec.wire.calls import (
 )
 from dsec.wire.files import FileEvent, ReadStream, Rename, Watch, WatchEnd, WriteStream
 from dsec.wire.lifetime import SetTimeout
-from dsec.wire.process import ProcessInfo, ProcessInput, ProcessRef, ProcessSignal, PtyResize
+from dsec.wire.process import (
+    ProcessInfo,
+    ProcessInput,
+    ProcessRef,
+    ProcessRunItem,
+    ProcessSignal,
+    PtyResize,
+)
 from dsec.wire.spec import (
     MAX_TTL_S,
     ExecChunk,
@@ -235,7 +243,6 @@ class E2BApp:
         self._stat = h(ops.STAT)
         self._mkdir = h(ops.MKDIR)
         self._remove = h(ops.REMOVE)
-        self._pstart = h(ops.PROCESS_START)
         self._plist = h(ops.PROCESS_LIST)
         self._psignal = h(ops.PROCESS_SIGNAL)
         self._pinput = h(ops.PROCESS_INPUT)
@@ -243,6 +250,8 @@ class E2BApp:
         self._presize = h(ops.PTY_RESIZE)
         self._pconnect: Callable[[Caller, ProcessRef], Awaitable[AsyncIterator[
             ExecChunk | ExecResult]]] = service.stream_handler(ops.PROCESS_CONNECT)  # type: ignore[arg-type]
+        self._prun: Callable[[Caller, ExecCall], Awaitable[AsyncIterator[
+            ProcessRunItem | ExecResult]]] = service.stream_handler(ops.PROCESS_RUN)  # type: ignore[arg-type]
         dom = self.config.domain
         self._host = (re.compile(r"^(\d+)-([^.]+)\." + re.escape(dom) + r"(?::\d+)?$")
                       if dom else None)
@@ -799,9 +808,26 @@ class E2BApp:
                           cwd=cwd or None, user=_user_of(request),
                           timeout_s=timeout_s, pty=pty, tag=tag if tag else None,
                           stdin_open=bool(msg.get("stdin")))
-        info = await self._pstart(caller, ExecCall(id=sandbox, req=req))
-        return self._follow(request, caller, sandbox, info.pid, pty=pty is not None,
-                            timeout_s=timeout_s)
+        # One edge call (issue 20): process_run starts it as process_start would and
+        # streams its entry, then its output. The entry is read before the answer
+        # starts, so a refused start is still an HTTP error, as with process_start.
+        it = aiter(await self._prun(caller, ExecCall(id=sandbox, req=req)))
+        try:
+            first = await anext(it)
+        except BaseException:
+            aclose = getattr(it, "aclose", None)
+            if aclose is not None:
+                with contextlib.suppress(Exception):
+                    await aclose()
+            raise
+        if not isinstance(first, ProcessRunItem) or first.started is None:
+            raise RemoteProtocolError(f"process_run in sandbox {sandbox[:80]} did not "
+                                      "answer with the process's entry first")
+
+        async def rest() -> AsyncIterator[ProcessRunItem | ExecResult]:
+            return it
+        return self._follow(request, caller, sandbox, first.started.pid, pty=pty is not None,
+                            timeout_s=timeout_s, open_=rest)
 
     async def _has_bash(self, caller: Caller, sandbox: str) -> bool:
         """Whether ``/bin/bash`` exists in the sandbox. A yes is remembered (bounded, per
@@ -822,13 +848,15 @@ class E2BApp:
         return True
 
     def _follow(self, request: Request, caller: Caller, sandbox: str, pid: int, *,
-                pty: bool, timeout_s: float | None) -> ConnectStream[ExecChunk | ExecResult]:
+                pty: bool, timeout_s: float | None,
+                open_: Callable[[], Awaitable[AsyncIterator[Any]]] | None = None,
+                ) -> ConnectStream[Any]:
         """The Connect stream of process ``pid``: its start event, its output (what its
         ring holds, then live), its end; a keep-alive event on a quiet stream
         (:class:`ConnectStream`: written straight to ``send``, the end event and the
         end-of-stream envelope in one final write)."""
-        def frame(item: ExecChunk | ExecResult) -> tuple[bytes, bool]:
-            if isinstance(item, ExecChunk):
+        def frame(item: ExecChunk | ProcessRunItem | ExecResult) -> tuple[bytes, bool]:
+            if isinstance(item, (ExecChunk, ProcessRunItem)):
                 return rpc.data_event("pty" if pty else item.stream,
                                       base64.b64encode(item.data)), False
             if item.timed_out:
@@ -842,9 +870,11 @@ class E2BApp:
                           exc_info=exc)
             return rpc.end_stream(self._rpc_code(exc, request))
 
+        if open_ is None:
+            def open_() -> Awaitable[AsyncIterator[Any]]:
+                return self._pconnect(caller, ProcessRef(id=sandbox, pid=pid))
         return ConnectStream(
-            rpc.envelope({"event": {"start": {"pid": pid}}}),
-            lambda: self._pconnect(caller, ProcessRef(id=sandbox, pid=pid)), frame,
+            rpc.envelope({"event": {"start": {"pid": pid}}}), open_, frame,
             on_error, keepalive_s=self.config.keepalive_s)
 
     # --------------------------------------------------------------- filesystem
