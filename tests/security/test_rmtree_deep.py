@@ -111,3 +111,35 @@ def test_a_mount_below_the_fd_window_is_refused_not_walked(tmp_path: Path) -> No
                 if point.startswith(str(top) + "/"):
                     subprocess.run(["umount", "-l", point], check=False)
         subprocess.run(["rm", "-rf", str(top)], check=False)
+
+
+def test_walk_of_a_deep_tree_matches_os_walk_without_recursion(tmp_path: Path) -> None:
+    """dsec.fswalk.walk: what census (cgroup trees a nested sandbox makes), stats
+    (overlay upper, fncall work dir) and fncall's chown walk use instead of Python
+    3.11's recursive os.walk."""
+    from dsec.fswalk import walk
+
+    for p in ("a/b/c", "a/x", "e"):
+        (tmp_path / "s" / p).mkdir(parents=True)
+    (tmp_path / "s" / "a" / "b" / "f").write_text("f")
+    os.symlink("/etc", tmp_path / "s" / "a" / "link")     # listed, never followed
+    for topdown in (True, False):
+        got = [(p, sorted(d), sorted(f)) for p, d, f in walk(str(tmp_path / "s"),
+                                                            topdown=topdown)]
+        want = [(p, sorted(d), sorted(f)) for p, d, f in os.walk(str(tmp_path / "s"),
+                                                                 topdown=topdown)]
+        for (gp, gd, gf), (wp, wd, wf) in zip(sorted(got), sorted(want), strict=True):
+            assert (gp, sorted(gd + gf)) == (wp, sorted(wd + wf))
+        if not topdown:   # children before their parent
+            order = [p for p, _, _ in got]
+            assert order.index(str(tmp_path / "s" / "a" / "b" / "c")) < order.index(
+                str(tmp_path / "s" / "a" / "b"))
+    pruned = [p for p, d, _ in walk(str(tmp_path / "s")) if not d.clear()]
+    assert pruned == [str(tmp_path / "s")]      # top-down pruning in place
+    top = tmp_path / "deep"
+    top.mkdir()
+    _chain(top, DEPTH, every=DEPTH + 1)
+    try:
+        assert sum(1 for _ in walk(str(top), topdown=False)) == DEPTH + 1
+    finally:
+        subprocess.run(["rm", "-rf", str(top)], check=False)

@@ -124,6 +124,7 @@ from dsec.errors import (
     SandboxError,
     SandboxNotFound,
 )
+from dsec.fswalk import walk
 from dsec.ids import SandboxId
 from dsec.net.attach import SandboxNetwork
 from dsec.nofile import raise_nofile
@@ -2401,7 +2402,7 @@ def _legacy_rw_dirs(d: str) -> tuple[str, str]:
 
 def _tree_bytes(path: str) -> int:
     total = 0
-    for dirpath, dirnames, filenames in os.walk(path):
+    for dirpath, dirnames, filenames in walk(path):   # tenant-shaped: no recursion
         for name in dirnames + filenames:
             try:
                 total += os.lstat(os.path.join(dirpath, name)).st_blocks * 512

@@ -42,6 +42,7 @@ from dsec.edge.governor import (
     parse_mountinfo,
     valid_cgroup_name,
 )
+from dsec.fswalk import walk
 from dsec.image.mount import mounts_below
 from dsec.ownership import start_time
 
@@ -277,7 +278,7 @@ def remove_empty_cgroups(top: str) -> list[str]:
     paused sandbox's cgroup is never touched and nothing is killed. Returns the dirs
     removed."""
     removed: list[str] = []
-    for dirpath, _dirs, _files in os.walk(top, topdown=False):
+    for dirpath, _dirs, _files in walk(top, topdown=False):
         try:
             os.rmdir(dirpath)
         except OSError:
@@ -505,7 +506,7 @@ def _sweep(dirs: list[str]) -> OSError | None:
     for top in dirs:
         if not os.path.isdir(top):
             continue
-        for dirpath, _, _ in sorted(os.walk(top), key=lambda w: -w[0].count("/")):
+        for dirpath, _, _ in sorted(walk(top), key=lambda w: -w[0].count("/")):
             kill_tasks(dirpath)
             try:
                 os.rmdir(dirpath)
