@@ -23,6 +23,15 @@ Decision - both of:
    may not detach, or one mounted after the mountinfo read - is left alone, listed in
    :attr:`Removal.refused` and logged.
 
+3. The walk is iterative and holds at most :data:`MAX_OPEN_DIRS` directory fds, whatever
+   the depth: the trees are often a tenant's (a sandbox's /tmp in the shared scratch, its
+   overlay upper, a file-API remove), and the recursive walk this was raised
+   RecursionError on a ``mkdir d; cd d`` loop ~1,000 deep, leaving the sandbox's files
+   in the node's tmpfs (red team 22, B3). A directory below the fd window is renamed into
+   the top directory and emptied from there: each directory is listed once, nothing is
+   re-walked, and the walk never climbs by ``..``. Measured here (ext4, load ~14): a
+   chain 3,000 deep in 7.8 s, all of it in ``rmdir``'s journal writes.
+
 A walk that only refused (option 2 alone) would leave mounts and their mount points
 behind for good; one that only unmounted (option 1 alone) races a mount made after the
 mountinfo read. The per-directory check costs one read of a small /proc file per
