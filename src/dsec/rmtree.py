@@ -23,6 +23,15 @@ Decision - both of:
    may not detach, or one mounted after the mountinfo read - is left alone, listed in
    :attr:`Removal.refused` and logged.
 
+3. The walk is iterative and holds at most :data:`MAX_OPEN_DIRS` directory fds, whatever
+   the depth: the trees are often a tenant's (a sandbox's /tmp in the shared scratch, its
+   overlay upper, a file-API remove), and the recursive walk this was raised
+   RecursionError on a ``mkdir d; cd d`` loop ~1,000 deep, leaving the sandbox's files
+   in the node's tmpfs (red team 22, B3). A directory below the fd window is renamed into
+   the top directory and emptied from there: each directory is listed once, nothing is
+   re-walked, and the walk never climbs by ``..``. Measured here (ext4, load ~14): a
+   chain 3,000 deep in 7.8 s, all of it in ``rmdir``'s journal writes.
+
 A walk that only refused (option 2 alone) would leave mounts and their mount points
 behind for good; one that only unmounted (option 1 alone) races a mount made after the
 mountinfo read. The per-directory check costs one read of a small /proc file per
@@ -192,6 +201,12 @@ def remove_tree_at(parent_fd: int, name: str, where: str) -> Removal:
     return res
 
 
+#: directory fds one removal holds open at most (the directory being emptied and its
+#: ancestors up to the top): a deeper directory is moved up into the top directory and
+#: emptied from there (:func:`_clear`)
+MAX_OPEN_DIRS = 64
+
+
 def _remove_dir(parent_fd: int, name: str, fd: int, where: str, res: Removal) -> None:
     top_dev, top_mnt = os.fstat(parent_fd).st_dev, _mnt_id(parent_fd)
     if (os.fstat(fd).st_dev, _mnt_id(fd)) != (top_dev, top_mnt):
@@ -205,47 +220,114 @@ def _remove_dir(parent_fd: int, name: str, fd: int, where: str, res: Removal) ->
             res.errors[where] = exc.strerror or str(exc)
 
 
-def _clear(dfd: int, where: str, dev: int, mnt: int, res: Removal) -> None:
-    """Empty the directory open as ``dfd``; recursion bounded by the tree's depth (an
-    explicit stack would need every fd of the path open anyway)."""
+@dataclass(slots=True)
+class _Level:
+    """One directory of the walk's current path: open as ``fd``, named ``name`` in the
+    level above, its entries not yet looked at in ``todo``."""
+
+    fd: int
+    name: str
+    path: str
+    todo: list[str]
+
+
+def _clear(top_fd: int, where: str, dev: int, mnt: int, res: Removal) -> None:
+    """Empty the directory open as ``top_fd`` (the caller's fd: not closed here).
+
+    Iterative, with at most :data:`MAX_OPEN_DIRS` directory fds: the tree's shape is a
+    tenant's (a sandbox's /tmp, its overlay upper, a file-API remove), and one
+    ``mkdir d; cd d`` loop a few MB long made the recursive walk this replaced raise
+    RecursionError (red team 22, B3) - or EMFILE, one fd per level. A directory
+    found below the deepest level allowed is renamed into the top directory (same
+    file system and mount: checked before) under a fresh name and emptied from there
+    once its turn comes: every directory is listed once, no path is ever re-walked
+    and nothing goes up by ``..`` (a directory a live tenant moves meanwhile cannot
+    take the walk out of the tree). Symlinks are never followed (``O_NOFOLLOW``,
+    ``lstat``) and no directory on another mount is entered (``st_dev`` + ``mnt_id``).
+    The memory it holds is the names still to look at along the current path."""
     try:
-        names = os.listdir(dfd)
+        todo = os.listdir(top_fd)
     except OSError as exc:
         res.errors[where] = exc.strerror or str(exc)
         return
-    for name in names:
-        p = os.path.join(where, name)
-        try:
-            st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
-        except FileNotFoundError:
-            continue
-        except OSError as exc:
-            res.errors[p] = exc.strerror or str(exc)
-            continue
-        if not stat.S_ISDIR(st.st_mode):
+    path: list[_Level] = [_Level(top_fd, "", where, todo)]
+    try:
+        while path:
+            cur = path[-1]
+            if not cur.todo:
+                path.pop()
+                if not path:
+                    break
+                os.close(cur.fd)
+                try:
+                    os.rmdir(cur.name, dir_fd=path[-1].fd)
+                except FileNotFoundError:
+                    pass
+                except OSError as exc:
+                    if not any(r.startswith(cur.path + "/") for r in res.refused) \
+                            and not any(e.startswith(cur.path + "/") for e in res.errors):
+                        res.errors[cur.path] = exc.strerror or str(exc)
+                continue
+            name = cur.todo.pop()
+            p = os.path.join(cur.path, name)
             try:
-                os.unlink(name, dir_fd=dfd)
+                st = os.stat(name, dir_fd=cur.fd, follow_symlinks=False)
             except FileNotFoundError:
-                pass
+                continue
             except OSError as exc:
                 res.errors[p] = exc.strerror or str(exc)
-            continue
-        try:
-            cfd = os.open(name, _DIR_FLAGS, dir_fd=dfd)
-        except OSError as exc:
-            res.errors[p] = exc.strerror or str(exc)
-            continue
-        try:
-            if os.fstat(cfd).st_dev != dev or _mnt_id(cfd) != mnt:
-                res.refused.append(p)
                 continue
-            _clear(cfd, p, dev, mnt, res)
-        finally:
-            os.close(cfd)
-        try:
-            os.rmdir(name, dir_fd=dfd)
-        except FileNotFoundError:
-            pass
-        except OSError as exc:
-            if not any(r.startswith(p + "/") for r in res.refused):
+            if not stat.S_ISDIR(st.st_mode):
+                try:
+                    os.unlink(name, dir_fd=cur.fd)
+                except FileNotFoundError:
+                    pass
+                except OSError as exc:
+                    res.errors[p] = exc.strerror or str(exc)
+                continue
+            try:
+                cfd = os.open(name, _DIR_FLAGS, dir_fd=cur.fd)
+            except OSError as exc:
                 res.errors[p] = exc.strerror or str(exc)
+                continue
+            try:
+                if os.fstat(cfd).st_dev != dev or _mnt_id(cfd) != mnt:
+                    res.refused.append(p)
+                    os.close(cfd)
+                    continue
+                if len(path) >= MAX_OPEN_DIRS:
+                    # too deep to hold another fd: move it up, to be emptied from the
+                    # top (a mount point cannot be renamed: EBUSY, reported)
+                    os.close(cfd)
+                    up = _move_up(cur.fd, name, top_fd, p, res)
+                    if up is not None:
+                        path[0].todo.append(up)
+                    continue
+                todo = os.listdir(cfd)
+            except OSError as exc:
+                os.close(cfd)
+                res.errors[p] = exc.strerror or str(exc)
+                continue
+            path.append(_Level(cfd, name, p, todo))
+    finally:
+        for lv in path[1:]:
+            os.close(lv.fd)
+
+
+def _move_up(dfd: int, name: str, top_fd: int, p: str, res: Removal) -> str | None:
+    """Rename the directory ``name`` of ``dfd`` into ``top_fd`` under a fresh random
+    name (unguessable: the top may be a tenant's directory, where a name it made first
+    would be replaced if empty or refuse the move if not); the new name, or None with
+    the error recorded."""
+    for _ in range(4):
+        up = f".dsec-rm-{os.urandom(8).hex()}"
+        try:
+            os.rename(name, up, src_dir_fd=dfd, dst_dir_fd=top_fd)
+            return up
+        except OSError as exc:
+            if exc.errno in (errno.EEXIST, errno.ENOTEMPTY):
+                continue
+            res.errors[p] = f"move up to the top directory: {exc.strerror or exc}"
+            return None
+    res.errors[p] = "move up to the top directory: every fresh name was taken"
+    return None

@@ -27,7 +27,7 @@ def test_v1_nests_under_the_edges_own_cgroups() -> None:
     assert layout.bases["cpu"] == "/sys/fs/cgroup/cpu/dsec-n1"
     assert set(layout.bases) == {"memory", "cpu", "cpuacct", "pids", "freezer"}
     # best-effort cpu cgroups: one idle parent beside the base, at the edge's own level
-    assert layout.be_cpu == "/sys/fs/cgroup/cpu/dsec-n1.be"
+    assert layout.be_cpu == "/sys/fs/cgroup/cpu/dsec-n1+be"
 
 
 def test_the_be_cpu_parent_is_found_and_owned_like_the_base() -> None:
@@ -38,14 +38,36 @@ def test_the_be_cpu_parent_is_found_and_owned_like_the_base() -> None:
     from dsec.edge.governor import all_leaf_dirs
 
     leaves = all_leaf_dirs(V1_MOUNTINFO, V1_SELF, name="n1")
-    assert "/sys/fs/cgroup/cpu/dsec-n1.be" in leaves
-    assert [d for d in leaves if d.endswith(".be")] == ["/sys/fs/cgroup/cpu/dsec-n1.be"]
-    lines = ("/sys/fs/cgroup/cpu/dsec-n1.be", "/sys/fs/cgroup/cpu/dsec-n1",
-             "/sys/fs/cgroup/cpu/dsec-n1.bee", "/sys/fs/cgroup/cpu/dsec-n2.be",
-             "/sys/fs/cgroup/cpu/x/../dsec-n1.be")
-    assert parse_parents("\n".join(lines), "n1") == ["/sys/fs/cgroup/cpu/dsec-n1.be",
+    assert "/sys/fs/cgroup/cpu/dsec-n1+be" in leaves
+    assert [d for d in leaves if d.endswith("+be")] == ["/sys/fs/cgroup/cpu/dsec-n1+be"]
+    lines = ("/sys/fs/cgroup/cpu/dsec-n1+be", "/sys/fs/cgroup/cpu/dsec-n1",
+             "/sys/fs/cgroup/cpu/dsec-n1+bee", "/sys/fs/cgroup/cpu/dsec-n2+be",
+             "/sys/fs/cgroup/cpu/x/../dsec-n1+be")
+    assert parse_parents("\n".join(lines), "n1") == ["/sys/fs/cgroup/cpu/dsec-n1+be",
                                         "/sys/fs/cgroup/cpu/dsec-n1"]
-    assert _owner("/sys/fs/cgroup/cpu/dsec-n1.be") == _owner("/x/dsec-n1") == "n1"
+    assert _owner("/sys/fs/cgroup/cpu/dsec-n1+be") == _owner("/x/dsec-n1") == "n1"
+    # exact (red team 22, B2): a name may end in ".be"; the BE parent's "+" is in no name
+    assert _owner("/x/dsec-n1.be") == "n1.be"
+    assert _owner("/x/dsec-n1.be+be") == "n1.be"
+    assert _owner("/x/dsec+edge") is None and _owner("/x/dsec-a+b") is None
+
+
+def test_no_dir_dsec_makes_at_the_edges_level_is_two_names_dirs() -> None:
+    """Every name valid_cgroup_name accepts owns ``dsec-<name>`` and ``dsec-<name>+be``;
+    no two names (nor the v2 edge leaf) share one, whatever the names."""
+    from dsec.edge.governor import EDGE_LEAF, cgroup_leaf_names, cgroup_owner, valid_cgroup_name
+
+    names = ["x", "x.be", "x-be", "x_be", "be", "edge", "x.be.be", "dsec-x", "a.b"]
+    seen: dict[str, str] = {}
+    for n in names:
+        assert valid_cgroup_name(n)
+        for leaf in cgroup_leaf_names(n):
+            assert leaf not in seen, f"{leaf} is both {seen[leaf]!r}'s and {n!r}'s"
+            seen[leaf] = n
+            assert cgroup_owner(leaf) == n
+    assert EDGE_LEAF not in seen and cgroup_owner(EDGE_LEAF) is None
+    for bad in ("x+be", "", ".x", "a/b", "x" * 65, "dsec+edge"):
+        assert not valid_cgroup_name(bad)
 
 
 def test_v2_is_preferred_when_it_has_the_controllers() -> None:

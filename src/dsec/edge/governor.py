@@ -178,7 +178,7 @@ class CgroupLayout:
     # (the v2 "no internal processes" rule) before controllers can be delegated below it.
     v2_own: str = ""
     # v1 only: the one parent of every best-effort sandbox's cpu cgroup, a sibling of
-    # ``bases["cpu"]`` (``<own>/dsec-<name>.be``, cpu.shares=2, cpu.idle=1); "" where BE
+    # ``bases["cpu"]`` (``<own>/dsec-<name>+be``, cpu.shares=2, cpu.idle=1); "" where BE
     # sandboxes' cpu cgroups stay under the base (v2, where one hierarchy holds every
     # controller and the node's totals are on the base). See :func:`be_cpu_parent`.
     be_cpu: str = ""
@@ -325,13 +325,47 @@ def detect_layout(mountinfo: str, proc_cgroup: str, *, name: str,
                         be_cpu=be_cpu_parent(bases["cpu"]))
 
 
-BE_SUFFIX = ".be"
+#: The v1 best-effort cpu parent is ``dsec-<name>`` + this. ``+`` is a character no
+#: cgroup name may hold (:func:`valid_cgroup_name`), so that parent is never another
+#: backend's base: with ``.be`` the parent of backend ``x`` was backend ``x.be``'s base,
+#: and one's census and orphan reaper killed the other's sandboxes (red team 22, B2).
+BE_SUFFIX = "+be"
+#: v2: the leaf the edge's own processes move into ("no internal processes"); not a
+#: ``dsec-<name>`` either, for the same reason (a backend named ``edge`` had its base -
+#: and its reaper - there).
+EDGE_LEAF = "dsec+edge"
+CGROUP_NAME_MAX = 64
+
+
+def valid_cgroup_name(name: str) -> bool:
+    """A backend's cgroup name (its sandboxes' parent is ``dsec-<name>``): 1-64 letters,
+    digits, ``-``, ``_`` or ``.``, not starting with ``.`` (pure). Every other dir dsec
+    makes beside those parents (:data:`BE_SUFFIX`, :data:`EDGE_LEAF`) holds a character
+    outside that set, so a dir names at most one backend."""
+    return (0 < len(name) <= CGROUP_NAME_MAX and not name.startswith(".")
+            and all(c.isalnum() or c in "-_." for c in name))
+
+
+def cgroup_leaf_names(name: str) -> tuple[str, str]:
+    """The dir names backend ``name`` owns at the edge's cgroup level: its base and its
+    v1 best-effort cpu parent (pure)."""
+    return f"dsec-{name}", f"dsec-{name}{BE_SUFFIX}"
+
+
+def cgroup_owner(leaf: str) -> str | None:
+    """The backend name a ``dsec-<name>`` or ``dsec-<name>+be`` dir name belongs to,
+    exactly (None: not a backend's: ``dsec+edge``, a malformed name) (pure)."""
+    if not leaf.startswith("dsec-"):
+        return None
+    name = leaf[len("dsec-"):]
+    name = name.removesuffix(BE_SUFFIX)
+    return name if valid_cgroup_name(name) else None
 
 
 def be_cpu_parent(cpu_base: str) -> str:
     """v1: the cpu cgroup every best-effort sandbox's cpu cgroup goes under, given the
     edge's sandbox parent in the cpu hierarchy (``<own>/dsec-<name>`` ->
-    ``<own>/dsec-<name>.be``) (pure).
+    ``<own>/dsec-<name>+be``) (pure).
 
     Why a sibling of the base and not a child: the kernel compares scheduling entities
     at the level where two tasks' cgroups meet. The edge (its asyncio loop, the zygote
@@ -557,6 +591,11 @@ class Governor:
         cpuset cgroup per sandbox (~3 KiB of kernel memory each, no memcg), v2
         ``+cpuset`` delegated below the edge's cgroup. ``blkio``: manage block I/O
         throttling (:class:`Limits` ``io``) the same way (v1 blkio, v2 ``+io``)."""
+        if not valid_cgroup_name(name):
+            raise BackendError(f"cgroup name {name[:80]!r} must be 1-64 letters, digits, "
+                               "'-', '_' or '.', not starting with '.': the sandboxes' "
+                               "parent is dsec-<name> and no other dir dsec makes may "
+                               "share it")
         self.name = name
         mountinfo = _read("/proc/self/mountinfo")
         self.favordynmods = False
@@ -629,7 +668,7 @@ class Governor:
             return
         procs = _read(os.path.join(own, "cgroup.procs")).split()
         if procs:  # "no internal processes": move the edge's processes into a leaf first
-            leaf = os.path.join(own, "dsec-edge")
+            leaf = os.path.join(own, EDGE_LEAF)
             os.makedirs(leaf, exist_ok=True)
             for pid in procs:
                 try:

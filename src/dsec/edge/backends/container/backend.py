@@ -124,6 +124,7 @@ from dsec.errors import (
     SandboxError,
     SandboxNotFound,
 )
+from dsec.fswalk import walk
 from dsec.ids import SandboxId
 from dsec.net.attach import SandboxNetwork
 from dsec.nofile import raise_nofile
@@ -1274,6 +1275,11 @@ class ContainerBackend:
             await self._destroy_again(sid, exc.message)
         except OSError as exc:   # a step that does not collect its errors (EMFILE in rmtree)
             await self._destroy_again(sid, f"{type(exc).__name__}: {exc}")
+        except Exception as exc:  # a bug in one step (the RecursionError
+            # of red team 22, B3) must not leave the sandbox's cgroups, processes and
+            # files behind with nothing retrying: log it and retry from the census
+            log.exception("destroy of sandbox %s raised", sid)
+            await self._destroy_again(sid, f"{type(exc).__name__}: {exc}")
 
     #: pauses between the attempts of a destroy whose teardown failed (each attempt
     #: looks at the host afresh: census + removal of whatever it finds, processes first)
@@ -1319,6 +1325,9 @@ class ContainerBackend:
             return sid not in self.census(sid).sandboxes()
         except (OSError, DsecError) as exc:
             log.warning("removing what is left of sandbox %s failed: %s", sid, exc)
+            return False
+        except Exception:  # the background retry must go on retrying
+            log.exception("removing what is left of sandbox %s raised", sid)
             return False
 
     async def _remove_later(self, sid: str) -> None:
@@ -1557,7 +1566,14 @@ class ContainerBackend:
         for sid in sorted(census.sandboxes()):
             if sid in self._boxes or sid in keep:
                 continue
-            out.append(await self._remove_leftover(sid, census))
+            try:
+                out.append(await self._remove_leftover(sid, census))
+            except Exception as exc:  # one sandbox's leftovers that
+                # cannot go (or a bug in one step) must not keep the others' from going,
+                # nor the router, the runc logs and the parents below from reconciling
+                log.exception("leftovers of sandbox %s: removal raised", sid)
+                out.append(Leftover(sid, self._kind, f"{census.describe(sid)}; could not "
+                                    f"remove it: {type(exc).__name__}: {exc}"))
         if self.network is not None:
             # after the census: the leftovers' processes (holding their slots' netns)
             # are dead, so their router links go (plan-14 §9.2)
@@ -1643,7 +1659,8 @@ class ContainerBackend:
             errors.append(f"delete disk subvolume: {exc}")
         for path in (d, os.path.join(self.root_dir, "runc-state", sid)):
             if os.path.isdir(path) and not errors:
-                res = remove_tree(path)
+                # off the loop: the box dir holds the overlay upper, tenant-shaped
+                res = await asyncio.to_thread(remove_tree, path)
                 if not res.clean:
                     errors.append(f"remove {path}: {res.describe()}")
         if errors:
@@ -2385,7 +2402,7 @@ def _legacy_rw_dirs(d: str) -> tuple[str, str]:
 
 def _tree_bytes(path: str) -> int:
     total = 0
-    for dirpath, dirnames, filenames in os.walk(path):
+    for dirpath, dirnames, filenames in walk(path):   # tenant-shaped: no recursion
         for name in dirnames + filenames:
             try:
                 total += os.lstat(os.path.join(dirpath, name)).st_blocks * 512

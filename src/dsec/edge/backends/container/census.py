@@ -34,7 +34,15 @@ from collections.abc import Callable, Iterator
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
-from dsec.edge.governor import BE_SUFFIX, all_leaf_dirs, kill_verified, parse_mountinfo
+from dsec.edge.governor import (
+    all_leaf_dirs,
+    cgroup_leaf_names,
+    cgroup_owner,
+    kill_verified,
+    parse_mountinfo,
+    valid_cgroup_name,
+)
+from dsec.fswalk import walk
 from dsec.image.mount import mounts_below
 from dsec.ownership import start_time
 
@@ -154,8 +162,7 @@ def claim_cgroup_name(cgroup_name: str, root_dir: str, *, names_dir: str = NAMES
     root dir is gone is taken over (nothing there can be adopted any more)."""
     from dsec.errors import InUse, InvalidArgument
 
-    if (not cgroup_name or cgroup_name.startswith(".") or len(cgroup_name) > 64
-            or not all(c.isalnum() or c in "-_." for c in cgroup_name)):
+    if not valid_cgroup_name(cgroup_name):
         raise InvalidArgument(f"cgroup_name {cgroup_name[:80]!r} must be 1-64 letters, "
                               "digits, '-', '_' or '.', not starting with '.'",
                               field="cgroup_name")
@@ -271,7 +278,7 @@ def remove_empty_cgroups(top: str) -> list[str]:
     paused sandbox's cgroup is never touched and nothing is killed. Returns the dirs
     removed."""
     removed: list[str] = []
-    for dirpath, _dirs, _files in os.walk(top, topdown=False):
+    for dirpath, _dirs, _files in walk(top, topdown=False):
         try:
             os.rmdir(dirpath)
         except OSError:
@@ -286,8 +293,7 @@ def find_named_cgroups(mountinfo: str, names: AbstractSet[str] | None) -> list[s
     cgroup than the caller). The walk never descends into a ``dsec-*`` dir: sandboxes'
     cgroups live there, so the cost is the host's own cgroups (measured 0.8 ms for
     the 23 of the dev VM's 14 hierarchies)."""
-    want = None if names is None else {f"dsec-{n}{sfx}" for n in names
-                                       for sfx in ("", BE_SUFFIX)}
+    want = None if names is None else {leaf for n in names for leaf in cgroup_leaf_names(n)}
     out: list[str] = []
     for m in parse_mountinfo(mountinfo):
         if m.fstype not in ("cgroup", "cgroup2"):
@@ -299,11 +305,13 @@ def find_named_cgroups(mountinfo: str, names: AbstractSet[str] | None) -> list[s
     return sorted(set(out))
 
 
-def _owner(cgroup_dir: str) -> str:
+def _owner(cgroup_dir: str) -> str | None:
     """The cgroup name a ``dsec-<name>`` (or v1 best-effort cpu parent
-    ``dsec-<name>.be``) dir belongs to (pure)."""
-    name = os.path.basename(cgroup_dir)[len("dsec-"):]
-    return name.removesuffix(BE_SUFFIX)
+    ``dsec-<name>+be``) dir belongs to, exactly; None for a dir no valid name owns
+    (pure). Exact because ``+`` is in no name: with the ``.be`` suffix this used,
+    ``dsec-x.be`` was attributed to ``x`` and the reaper of a dead ``x`` killed backend
+    ``x.be``'s sandboxes (red team 22, B2)."""
+    return cgroup_owner(os.path.basename(cgroup_dir))
 
 
 def reap_orphan_names(*, names_dir: str = NAMES_DIR,
@@ -348,7 +356,7 @@ def reap_orphan_names(*, names_dir: str = NAMES_DIR,
         now = time.time()
         for d in found:
             name = _owner(d)
-            if name in bindings or (unbound_scope is not None and not unbound_scope(name)):
+            if name is None or name in bindings or (unbound_scope is not None and not unbound_scope(name)):
                 continue
             try:
                 if now - os.stat(d).st_mtime < unbound_min_age_s:
@@ -389,14 +397,14 @@ def release_cgroup_name(cgroup_name: str, root_dir: str, *,
 def parse_parents(text: str, cgroup_name: str) -> list[str]:
     """The parent dirs a ``cgroup-parents`` text names: absolute, normalised paths
     ending in ``dsec-<cgroup_name>`` or, v1's best-effort cpu parent,
-    ``dsec-<cgroup_name>.be`` (anything else is ignored: a damaged record must
+    ``dsec-<cgroup_name>+be`` (anything else is ignored: a damaged record must
     not point reconciliation at other cgroups). Pure."""
-    leaf = f"dsec-{cgroup_name}"
+    leaves = cgroup_leaf_names(cgroup_name)
     out = []
     for line in text.splitlines():
         p = line.strip()
         if p.startswith("/") and os.path.normpath(p) == p \
-                and os.path.basename(p) in (leaf, leaf + BE_SUFFIX):
+                and os.path.basename(p) in leaves:
             out.append(p)
     return out
 
@@ -498,7 +506,7 @@ def _sweep(dirs: list[str]) -> OSError | None:
     for top in dirs:
         if not os.path.isdir(top):
             continue
-        for dirpath, _, _ in sorted(os.walk(top), key=lambda w: -w[0].count("/")):
+        for dirpath, _, _ in sorted(walk(top), key=lambda w: -w[0].count("/")):
             kill_tasks(dirpath)
             try:
                 os.rmdir(dirpath)

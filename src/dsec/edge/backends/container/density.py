@@ -122,7 +122,12 @@ def mount_shared_scratch(path: str) -> str:
     memory cgroup (the writer's), so its memory limit is the bound, as it was (the old
     per-sandbox size was 64 MiB + 64 KiB + the memory limit, never reached first); and
     ``statfs`` of it reports no size or usage, so no sandbox reads the others' totals
-    from ``df /tmp``. nosuid,nodev,noexec here; the sandbox's binds set their own flags."""
+    from ``df /tmp``. What it cannot hide: inode numbers come from this superblock's one
+    counter, so a sandbox's new files' numbers advance with every other sandbox's creates
+    (a rate, and a covert channel); no tmpfs option gives per-directory numbering, so
+    nodes whose tenants must not observe each other use ``shared_scratch=False``
+    (docs/container.md, Density; red team 22, B8). nosuid,nodev,noexec here; the
+    sandbox's binds set their own flags."""
     os.makedirs(path, mode=0o700, exist_ok=True)
     if os.path.ismount(path):
         return path

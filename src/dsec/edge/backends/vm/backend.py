@@ -41,6 +41,7 @@ import msgspec
 
 from dsec.edge.backend import DeathSink, Leftover
 from dsec.edge.backends.container.box import Box
+from dsec.edge.backends.container.census import claim_cgroup_name
 from dsec.edge.backends.container.images import ImageResolver, RootLayers, StoreImages
 from dsec.edge.backends.container.linux import fstatfs_type
 from dsec.edge.backends.container.snapshot import ContainerSnapshots
@@ -321,7 +322,14 @@ class VmBackend:
         self.images = images
         self.kernel, self.initrd = kernel, initrd
         self.key = hashlib.sha256(self.root_dir.encode()).hexdigest()[:12]
-        self.governor = governor or Governor(name=cgroup_name or f"dsec-vm-{self.key}")
+        name = cgroup_name or f"dsec-vm-{self.key}"
+        if governor is None:
+            # bound like the other tiers' names: an unbound dsec-<name> is swept by any
+            # container backend's start once empty and 10 min old (census
+            # reap_orphan_names) - an idle vm tier lost its base (and its pids total)
+            # and its next create failed; two roots sharing a name are refused
+            claim_cgroup_name(name, self.root_dir)
+        self.governor = governor or Governor(name=name)
         # all QEMUs together within the tier's share of the node's pid budget, as the
         # other tiers (governor.TIER_PIDS_WEIGHTS; red team 21, A5: none was set here)
         self.pids_total, _ = pids_budget(
