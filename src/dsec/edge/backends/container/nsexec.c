@@ -670,10 +670,25 @@ static int exec_final(void *arg) {
  */
 #define FD_HSOCK 5
 
-struct fwd_hdr { uint32_t slot, gen, ncg, nstr; };
+/* flags: FWD_TRACK (a status pipe's write end follows the cgroup fds: the command's
+ * failure to start is written there, its execve closes it - F_TRACK, as the per-exec
+ * path's FD_STATUS_EXEC), FWD_PTY with cols << 4 and rows << 14 (F_PTY: the command on a
+ * terminal of the sandbox's devpts; stdin is the socket its master goes back over). */
+#define FWD_TRACK 1u
+#define FWD_PTY 2u
+struct fwd_hdr { uint32_t slot, gen, ncg, nstr, flags; };
 
 static int helper_final(void *arg);
-struct helper_args { char **s; int n; int ncg; int *cgfds; int stdio[3]; };
+struct helper_args { char **s; int n; int ncg; int *cgfds; int stdio[3]; int status; };
+
+/* 1 if the sandbox's /dev/pts is its devpts already. The first pty exec of an F_LAZYPTS
+ * sandbox mounts it (ensure_devpts), which needs capabilities and syscalls the helper's
+ * commands no longer have: until then a pty command is refused here (report 0) and the
+ * edge takes the per-exec path, which mounts it. */
+static int devpts_ready(void) {
+    struct statfs sf;
+    return statfs("/dev/pts", &sf) == 0 && sf.f_type == DEVPTS_SUPER_MAGIC;
+}
 
 static int do_helper(int argc, char **argv) {
     exec_mode = 1;
@@ -725,11 +740,17 @@ static int do_helper(int argc, char **argv) {
                 off = (size_t)(z - buf) + 1;
             }
             strs[n] = NULL;
-            ok = ok && (int)h.nstr == n && (int)h.ncg + 3 == nfds && h.ncg <= 32;
+            int track = (h.flags & FWD_TRACK) != 0;
+            ok = ok && (int)h.nstr == n && (int)h.ncg + 3 + track == nfds && h.ncg <= 32;
+            pty_req = (h.flags & FWD_PTY) != 0;
+            pty_cols = (unsigned short)((h.flags >> 4) & 1023);
+            pty_rows = (unsigned short)((h.flags >> 14) & 1023);
+            if (ok && pty_req && !devpts_ready()) ok = 0;  /* the per-exec path mounts it */
         }
         pid_t pid = 0;
         if (ok) {
-            struct helper_args a = {strs, n, (int)h.ncg, &fds[3], {fds[0], fds[1], fds[2]}};
+            int st = (h.flags & FWD_TRACK) ? fds[3 + h.ncg] : -1;
+            struct helper_args a = {strs, n, (int)h.ncg, &fds[3], {fds[0], fds[1], fds[2]}, st};
             if (pipe2(go_fds, O_CLOEXEC) == 0) {
                 pid = clone_parent();
                 if (pid == 0) _exit(helper_final(&a));
@@ -753,6 +774,12 @@ static int helper_final(void *arg) {
     close(FD_HSOCK);
     close(FD_REPORT);
     /* argv strings: cwd user nenv env... -- target... */
+    /* F_TRACK: from here on a failure also goes to the status pipe (die writes
+     * FD_STATUS_EXEC), and the execve closes it (CLOEXEC): then the zygote says Running.
+     * Before the dup2s below: its number may be one of theirs. */
+    if (a->status >= 0 && (dup2(a->status, FD_STATUS_EXEC) < 0
+                           || fcntl(FD_STATUS_EXEC, F_SETFD, FD_CLOEXEC) < 0))
+        die(126, "dup2");
     for (int k = 0; k < 3; k++)
         if (dup2(a->stdio[k], k) < 0) die(126, "dup2");
     for (int k = 0; k < a->ncg; k++)
@@ -761,7 +788,8 @@ static int helper_final(void *arg) {
     /* nothing of the helper's reaches the command: request/report sockets, cgroup fds */
     if (dup2(keep, 3) < 0) die(126, "dup2");
     go_fds[0] = 3;
-    syscall(SYS_close_range, 4, ~0U, 0);
+    syscall(SYS_close_range, 4, 4, 0);
+    syscall(SYS_close_range, a->status >= 0 ? 6 : 5, ~0U, 0);
     go_fds[1] = -1;
     char c = 0;
     ssize_t r;
@@ -785,6 +813,7 @@ static int helper_final(void *arg) {
     int switch_user = user[0] != 0;
     if (switch_user) lookup_user(user, &uid, &gid, home, sizeof home);
     if (chdir(cwd[0] ? cwd : "/") < 0) die(126, "chdir %s", cwd);
+    if (pty_req) setup_pty(uid, gid, switch_user);   /* its devpts is there (devpts_ready) */
     char **envp = calloc((size_t)nenv + 2, sizeof(char *));
     if (!envp) die(126, "calloc");
     int ne = 0;
@@ -1696,6 +1725,7 @@ static void forward_exec(const struct req_hdr *h, int argc, int *fds, int nfds) 
     int e = EINVAL;
     const char *why = "malformed helper exec";
     int cgfds[32] = {0}, ncgfd = 0;
+    int sp[2] = {-1, -1};   /* F_TRACK: the status pipe (read end: ours once sent) */
     if (nfds != 4 || argc < 11 || strcmp(req_argv[1], "exec")) goto fail;
     uint64_t hid = strtoull(req_argv[2], NULL, 10);
     struct job *hj = NULL;
@@ -1712,7 +1742,11 @@ static void forward_exec(const struct req_hdr *h, int argc, int *fds, int nfds) 
     /* The helper is in the sandbox's cgroups already and its children inherit them: the
      * command joins only the exec's own (the first: its freezer on v1, its v2 cgroup). */
     if (ncg > 1) ncg = 1;
-    struct fwd_hdr fh = {0, 0, (uint32_t)ncg, (uint32_t)(rest + 2)};
+    int track = (h->flags & F_TRACK) != 0;
+    uint32_t fl = (track ? FWD_TRACK : 0u);
+    if (h->flags & F_PTY)
+        fl |= FWD_PTY | ((h->flags >> 12) & 1023u) << 4 | ((h->flags >> 22) & 1023u) << 14;
+    struct fwd_hdr fh = {0, 0, (uint32_t)ncg, (uint32_t)(rest + 2), fl};
     size_t len = sizeof fh;
     const char *parts[2] = {cwd, user};
     for (int k = 0; k < 2 + rest; k++) {
@@ -1730,37 +1764,49 @@ static void forward_exec(const struct req_hdr *h, int argc, int *fds, int nfds) 
     struct job *j = new_job();  /* may move the table */
     if (!j) { e = ENOMEM; why = "no memory"; goto fail; }
     hj = &jobs[hk];
+    if (track && pipe2(sp, O_CLOEXEC) < 0) { e = errno; why = "pipe2"; goto fail; }
     fh.slot = (uint32_t)(j - jobs);
     fh.gen = j->gen;
     memcpy(out, &fh, sizeof fh);
-    int pass[35] = {fds[1], fds[2], fds[3]};
+    int npass = 3 + ncg + track;
+    int pass[36] = {fds[1], fds[2], fds[3]};
     for (int k = 0; k < ncg; k++) pass[3 + k] = cgfds[k];
+    if (track) pass[3 + ncg] = sp[1];
     struct iovec iov = {out, len};
-    union { char b[CMSG_SPACE(35 * sizeof(int))]; struct cmsghdr align; } u;
+    union { char b[CMSG_SPACE(36 * sizeof(int))]; struct cmsghdr align; } u;
     struct msghdr m = {0};
     m.msg_iov = &iov;
     m.msg_iovlen = 1;
     m.msg_control = u.b;
-    m.msg_controllen = CMSG_SPACE((size_t)(3 + ncg) * sizeof(int));
+    m.msg_controllen = CMSG_SPACE((size_t)npass * sizeof(int));
     struct cmsghdr *c = CMSG_FIRSTHDR(&m);
     c->cmsg_level = SOL_SOCKET;
     c->cmsg_type = SCM_RIGHTS;
-    c->cmsg_len = CMSG_LEN((size_t)(3 + ncg) * sizeof(int));
-    memcpy(CMSG_DATA(c), pass, (size_t)(3 + ncg) * sizeof(int));
+    c->cmsg_len = CMSG_LEN((size_t)npass * sizeof(int));
+    memcpy(CMSG_DATA(c), pass, (size_t)npass * sizeof(int));
     ssize_t r;
     while ((r = sendmsg(hj->hsock, &m, MSG_DONTWAIT | MSG_NOSIGNAL)) < 0 && errno == EINTR) {}
     if (r < 0) { e = errno; why = "send to the exec helper"; goto fail; }
     j->kind = J_FG;
     j->id = h->id;
     j->mid_fd = j->pid_fd = j->status_fd = -1;
+    if (track) {   /* Running once the command's execve closed it; Failed with its reason */
+        close(sp[1]);
+        sp[1] = -1;
+        j->track = 1;
+        j->status_fd = sp[0];
+        sp[0] = -1;
+    }
     j->via = (uint32_t)(hj - jobs) + 1;
     j->via_gen = hj->gen;
     j->pend = 1;
     pending_mids++;
+    if (j->status_fd >= 0) watch(j->status_fd, tag(j, W_STATUS));
     for (int k = 0; k < ncgfd; k++) close(cgfds[k]);
     send_reply(REP_STARTED, h->id, 0, 0, 0, 0, NULL, -1);
     return;
 fail:
+    for (int k = 0; k < 2; k++) if (sp[k] >= 0) close(sp[k]);
     for (int k = 0; k < ncgfd; k++) close(cgfds[k]);
     snprintf(err, sizeof err, "%s", why);
     send_reply(REP_FAILED, h->id, 0, 0, 0, e, err, -1);

@@ -5,6 +5,20 @@ everything it started), with ``track``: the zygote answers ``Running`` (host and
 namespace pids) once the command's execve succeeded, or ``Failed`` with why it could not
 start (a missing program, user or cwd: :class:`~dsec.errors.CannotRun`), then ``Exited``.
 
+Like a foreground exec it is forked from the sandbox's exec helper when one runs (issue
+20: the per-exec intermediate - fork, cgroup joins, setns, capability drop, seccomp load -
+was nearly all of a start's time; nsexec.c, forward_exec), with the same exceptions
+(``hide``: Landlock cannot be applied under the helper's seccomp filter; user-namespace
+and nested sandboxes) and the same fallback: a helper that refuses (gone, at the task
+limit, a lazy devpts not mounted yet for a pty) answers ``Failed`` with an errno before
+any command ran, and the start is redone the per-exec way. Nothing after the start
+differs: the helper forks the command with ``CLONE_PARENT``, so its parent is the zygote
+either way - the zygote reaps it and reports its status, and after an edge restart it is
+the descriptor keeper's orphan (the zygote's parent, a child subreaper) like any other,
+which keeps its exit status (:mod:`dsec.edge.fdkeeper`). A best-effort command inherits
+SCHED_IDLE from its helper (set before the helper served anything) instead of getting it
+after it reported running.
+
 - **Pipes**: stdout and stderr are read from the event loop into the table's sink as they
   come (nothing accumulates here: the table's ring bounds what is kept); stdin is a pipe
   kept open for :meth:`ContainerProcess.write` when asked (``stdin_open``), else
@@ -56,6 +70,7 @@ from dsec.errors import (
     InvalidTransition,
     ResourceExhausted,
 )
+from dsec.wire.spec import qos_of
 
 if TYPE_CHECKING:
     from dsec.edge.backends.container.box import Box
@@ -87,6 +102,10 @@ class ProcessBackend(Protocol):
     def governor(self) -> Governor: ...
     @property
     def exec_start_timeout_s(self) -> float: ...
+    @property
+    def exec_helper(self) -> bool: ...
+
+    def _helper(self, box: Box) -> int: ...
 
     def _init_fd(self, box: Box) -> contextlib.AbstractContextManager[int]: ...
     def _new_exec_cgroup(self, box: Box) -> ExecCgroup: ...
@@ -125,6 +144,8 @@ class ContainerProcess:
         self.t0 = time.monotonic()
         self.gone = False
         self.adopted = False            # taken back after an edge restart (not the zygote's)
+        #: the exec helper's request id it was forked from (inherits its qos), 0: per-exec
+        self.helper = 0
         #: an adopted process's exit status from whoever reaped it (blocking; None: lost)
         self.lost_status: Callable[[], int | None] | None = None
         #: the table's hook: the descriptors to keep across a restart changed
@@ -157,8 +178,8 @@ class ContainerProcess:
     def on_reply(self, reply: Reply, fds: list[int]) -> None:
         for fd in fds:
             os.close(fd)
-        if isinstance(reply, (Started, Running)):   # qos (issue 22): BE runs SCHED_IDLE
-            qos_process(self.box.spec, reply.pid)
+        if isinstance(reply, (Started, Running)) and not self.helper:
+            qos_process(self.box.spec, reply.pid)   # qos (issue 22): BE runs SCHED_IDLE
         if isinstance(reply, Running):
             if not self.started.done():
                 self.started.set_result(reply)
@@ -451,16 +472,47 @@ class ContainerProcess:
             self.exited.set_result(Exited(self.rid, signal.SIGKILL, self.host_pid))
 
 
+class _HelperRefused(Exception):
+    """The exec helper did not fork the command (it never ran): start it the per-exec way."""
+
+
 async def spawn(backend: ProcessBackend, box: Box, req: ExecRequest, argv: list[str],
                 env: list[str], sink: OutputSink, *, input_pending: int = 1 << 20,
                 input_wait_s: float = 30.0) -> ContainerProcess:
-    """Start ``req`` as a process of the table; answered once its command runs."""
+    """Start ``req`` as a process of the table; answered once its command runs. Through
+    the sandbox's exec helper when one runs (the module docstring says when not)."""
+    helper = 0
+    if (backend.exec_helper and not box.spec.user_namespace and not box.spec.allow_nested
+            and not req.hide):
+        helper = backend._helper(box)
+        if not helper and box.helper_start is not None and qos_of(box.spec) == "be":
+            # as _native_exec: best-effort waits for its SCHED_IDLE helper rather than run
+            # a moment as SCHED_OTHER from the zygote (issue 22)
+            helper = await asyncio.shield(box.helper_start)
+    if helper:
+        box.helper_busy += 1   # never retired while it serves (_retire_idle_helper)
+        try:
+            return await _spawn(backend, box, req, argv, env, sink, helper,
+                                input_pending=input_pending, input_wait_s=input_wait_s)
+        except _HelperRefused:
+            pass
+        finally:
+            box.helper_busy -= 1
+            box.helper_used = time.monotonic()
+    return await _spawn(backend, box, req, argv, env, sink, 0,
+                        input_pending=input_pending, input_wait_s=input_wait_s)
+
+
+async def _spawn(backend: ProcessBackend, box: Box, req: ExecRequest, argv: list[str],
+                 env: list[str], sink: OutputSink, helper: int, *, input_pending: int,
+                 input_wait_s: float) -> ContainerProcess:
     zyg = backend._zygote
     ec = backend._new_exec_cgroup(box)
     rid = zyg.next_id()
     pty = (req.pty.cols, req.pty.rows) if req.pty is not None else None
     p = ContainerProcess(backend, box, rid, ec, sink, pty=pty, input_pending=input_pending,
                          input_wait_s=input_wait_s)
+    p.helper = helper
     local: list[int] = []      # every fd made here, closed on failure
     theirs: list[int] = []     # the command's ends, closed here once sent
     sock_ours: socket.socket | None = None
@@ -491,7 +543,7 @@ async def spawn(backend: ProcessBackend, box: Box, req: ExecRequest, argv: list[
                           cgroup_procs=ec.procs_files, nested=box.spec.allow_nested,
                           background=False, userns=box.spec.user_namespace,
                           pids_index=ec.pids_index, home_procs=backend.governor.home_procs(),
-                          hide=req.hide, helper=0, track=True, pty=pty),
+                          hide=req.hide, helper=helper, track=True, pty=pty),
                      send_fds, p.on_reply)
     except BaseException:
         if sock_ours is not None:
@@ -526,10 +578,19 @@ async def spawn(backend: ProcessBackend, box: Box, req: ExecRequest, argv: list[
                 f"process in sandbox {box.sid} did not start its command within "
                 f"{backend.exec_start_timeout_s:g} s (held before its execve, e.g. by a "
                 "SIGSTOP from a process inside); it was killed", sandbox_id=box.sid) from None
+        if helper and isinstance(reply, Failed) and reply.errno:
+            # the helper refused it (gone, at the task limit, no devpts yet for a pty,
+            # too big): nothing ran - a command's own failure to start carries no errno
+            raise _HelperRefused
         if not isinstance(reply, Running):
             p.killed = True
             msg = getattr(reply, "message", "") or "it exited before it started"
             raise exec_failure(box.sid, msg)
+    except _HelperRefused:
+        zyg.done(rid)      # that Failed was its last reply: no Exited follows
+        p.abandon()
+        await backend._clear_exec_cgroup(box, ec)
+        raise
     except BaseException as exc:
         # it never became a process of the table: end it, collect it, free everything
         if isinstance(exc, (DsecError, asyncio.CancelledError)):
