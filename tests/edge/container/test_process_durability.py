@@ -369,3 +369,76 @@ def test_sdk_background_process_survives_a_supervised_edge_crash() -> None:
         res = q.wait(timeout=30)
         assert res.exit_code == 9 and b"got-after" in res.stdout, res
         sb.kill()
+
+
+def _ppid(pid: int) -> int:
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        raw = f.read()
+    return int(raw[raw.rfind(b")") + 2:].split()[1])
+
+
+def _exec_helpers(sid: str) -> list[int]:
+    """The exec helper processes (nsexec.c, do_helper) of sandbox ``sid``."""
+    out = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+            with open(f"/proc/{d}/cgroup") as f:
+                cg = f.read()
+        except OSError:
+            continue
+        if argv[:2] == [b"dsec-nsexec", b"helper"] and sid in cg:
+            out.append(int(d))
+    return out
+
+
+async def test_processes_the_exec_helper_forked_survive_with_their_exit_status(
+        edge: EdgeProcess) -> None:
+    """Issue 20 (sf): table processes start through the sandbox's exec helper once it
+    runs. The helper forks them CLONE_PARENT, so the zygote is their parent as on the
+    per-exec path; after the edge's kill -9 (the zygote and the helper go with it) they
+    are the keeper's orphans: they keep running, and one that ends in the downtime is
+    reported with its exit status, not as lost."""
+    await edge.start()
+    async with await edge.client() as c:
+        sid = (await c.create(SPEC)).id
+        assert (await c.exec(sid, "true")).exit_code == 0     # starts the helper
+        for _ in range(250):
+            if _exec_helpers(sid):
+                break
+            await asyncio.sleep(0.02)
+        (helper,) = _exec_helpers(sid)
+        await asyncio.sleep(0.2)                               # the edge has its Started
+        loop = await _start(c, sid, COUNT)
+        brief = await _start(c, sid, "while [ ! -e /tmp/go ]; do sleep 0.05; done; exit 5")
+        host, brief_host = _host_pid(sid, loop.pid), _host_pid(sid, brief.pid)
+        assert _ppid(host) == _ppid(brief_host) == _ppid(helper)   # the zygote
+        await _read(c, sid, loop.pid, lines=3)
+    (keeper,) = _keepers(edge)
+    edge.kill9()
+    for _ in range(100):
+        if _alive(helper):
+            await asyncio.sleep(0.05)
+    assert not _alive(helper), "the exec helper outlived its zygote"
+    await asyncio.sleep(0.3)
+    assert _alive(host) and _ppid(host) == keeper, "not the keeper's orphan"
+    Path(f"/proc/{brief_host}/root/tmp/go").touch()
+    for _ in range(100):
+        if not _alive(brief_host):
+            break
+        await asyncio.sleep(0.05)
+    await edge.start()
+    async with await edge.client() as c:
+        table = await _list(c, sid)
+        assert table[loop.pid].running, table
+        assert not table[brief.pid].running and table[brief.pid].exit_code == 5, table
+        out, _ = await _read(c, sid, loop.pid, lines=5)
+        assert len(_numbers(out)) >= 5
+        await c.call(ops.PROCESS_SIGNAL, ProcessSignal(id=sid, pid=loop.pid,
+                                                       signal=signal.SIGKILL))
+        _, res = await _read(c, sid, loop.pid, until=b"\xff")
+        assert res is not None and res.exit_code == 128 + signal.SIGKILL
+    assert not _alive(host)
