@@ -10,8 +10,7 @@ import os
 import msgspec
 import pytest
 
-from dsec.edge.backends.container import ContainerBackend, DirectoryImages
-from dsec.edge.backends.container import procio
+from dsec.edge.backends.container import ContainerBackend, DirectoryImages, procio
 from dsec.edge.backends.container.protocol import Exec
 from dsec.edge.backends.container.rootfs import build_env
 from dsec.errors import CannotRun
