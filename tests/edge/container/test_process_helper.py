@@ -131,3 +131,46 @@ async def test_a_best_effort_table_process_runs_sched_idle_from_its_start(
         p.signal(9)
         async with asyncio.timeout(20):
             await p.wait()
+
+
+async def test_a_table_process_at_the_task_limit_or_with_its_helper_killed_still_starts(
+        backend: ContainerBackend) -> None:
+    """The helper cannot fork at the task limit, and a killed helper serves nothing: each
+    refusal is an errno before any command ran, and the per-exec path starts it."""
+    import signal
+    import time
+
+    from tests.edge.container.test_exec_helper import _helper_pid, _read
+    sid = new_sid()
+    await backend.create(sid, msgspec.structs.replace(SPEC, pids_max=12))
+    box = backend.box(sid)
+    await _helper_up(backend, sid)
+    # the helper killed, its Exited not yet seen by the edge (the loop does not run until
+    # the start is sent): offered to it, refused, run the other way
+    sent = _spy(backend)
+    hp = _helper_pid(backend, sid)
+    helper = box.helper
+    os.kill(hp, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while os.path.exists(f"/proc/{hp}/stat") and _read(f"/proc/{hp}/stat").split()[2] \
+            not in ("Z", "X") and time.monotonic() < deadline:
+        time.sleep(0.005)      # not asyncio: the edge must not learn of it first
+    assert box.helper == helper
+    out, code = await _run(backend, sid, ExecRequest(shell="echo in"))
+    assert (out, code) == (b"in\n", 0)
+    assert [r.helper for r in sent if isinstance(r, Exec)] == [helper, 0], sent
+    # at the task limit
+    await _helper_up(backend, sid)
+    await backend.exec(sid, ExecRequest(
+        shell="for i in $(seq 40); do sleep 1000 & done; exec sleep 1000", background=True))
+    pids = os.path.dirname(box.cg.procs_files[box.cg.pids_index])
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if int(_read(f"{pids}/pids.current")) >= int(_read(f"{pids}/pids.max")):
+            break
+        await backend.exec(sid, ExecRequest(shell="sleep 1000", background=True))
+    assert int(_read(f"{pids}/pids.current")) >= 12
+    del sent[:]
+    out, code = await _run(backend, sid, ExecRequest(shell="echo in"))
+    assert (out, code) == (b"in\n", 0)
+    assert [r.helper for r in sent if isinstance(r, Exec)] == [box.helper, 0], sent
