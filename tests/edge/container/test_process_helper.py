@@ -154,7 +154,7 @@ async def test_a_table_process_at_the_task_limit_or_with_its_helper_killed_still
     deadline = time.monotonic() + 10
     while os.path.exists(f"/proc/{hp}/stat") and _read(f"/proc/{hp}/stat").split()[2] \
             not in ("Z", "X") and time.monotonic() < deadline:
-        time.sleep(0.005)      # not asyncio: the edge must not learn of it first
+        time.sleep(0.005)  # noqa: ASYNC251 - the edge must not learn of it first
     assert box.helper == helper
     out, code = await _run(backend, sid, ExecRequest(shell="echo in"))
     assert (out, code) == (b"in\n", 0)
