@@ -54,13 +54,17 @@ def _sandbox_pids(b: ContainerBackend, sid: str) -> list[str]:
 def _task_states(b: ContainerBackend, sid: str) -> list[str]:
     out = []
     for d, _, _ in os.walk(b.governor.paths(sid).dirs["freezer"]):
-        with open(os.path.join(d, "cgroup.procs")) as f:
-            for pid in f.read().split():
-                try:
-                    with open(f"/proc/{pid}/stat") as st:
-                        out.append(st.read().rsplit(")", 1)[1].split()[0])
-                except FileNotFoundError:
-                    pass
+        try:
+            with open(os.path.join(d, "cgroup.procs")) as f:
+                pids = f.read().split()
+        except FileNotFoundError:      # an exec cgroup removed meanwhile
+            continue
+        for pid in pids:
+            try:
+                with open(f"/proc/{pid}/stat") as st:
+                    out.append(st.read().rsplit(")", 1)[1].split()[0])
+            except (FileNotFoundError, ProcessLookupError):   # exited meanwhile (ESRCH
+                pass                                           # when it is mid-exit)
     return out
 
 
