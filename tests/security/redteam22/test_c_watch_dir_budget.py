@@ -71,8 +71,8 @@ async def test_one_project_cannot_take_the_nodes_watch_directories(
     b = (await node.create(SandboxSpec(backend="container", project="other",
                                        memory_bytes=128 << 20))).id
     # acme: a tree of BUDGET directories (the real attack: ~24 such trees of 4,096)
-    r = await node.exec(a, ExecRequest(argv=("sh", "-c", "mkdir -p /tmp/w/1 /tmp/w/2 "
-                                             "/tmp/w/3 /tmp/w/4 /tmp/w/5")))
+    mk = "mkdir -p /tmp/w/1 /tmp/w/2 /tmp/w/3 /tmp/w/4 /tmp/w/5"
+    r = await node.exec(a, ExecRequest(argv=("sh", "-c", mk)))
     assert r.exit_code == 0, r
 
     async def send(ev: FileEvent) -> None:
