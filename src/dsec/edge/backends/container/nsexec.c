@@ -755,15 +755,25 @@ static int do_helper(int argc, char **argv) {
                 pid = clone_parent();
                 if (pid == 0) _exit(helper_final(&a));
                 if (pid < 0) pid = 0;
+                /* Our copies of what the request brought go before the report (red team
+                 * 22, C2): the zygote learns the command's pid only from it, so by the
+                 * time it can see the command exit, its status pipe's one writer left is
+                 * the command (gone at its execve) - we never hold it open behind a
+                 * command that ended, however long we are throttled or frozen here. The
+                 * status pipe first. */
+                if (st >= 0) close(st);
+                for (int k = 0; k < nfds; k++)
+                    if (fds[k] != st) close(fds[k]);
+                nfds = 0;
+                close(go_fds[0]);
                 if (pid) send_report(pid);
                 if (pid && write(go_fds[1], "g", 1) < 0) {}
-                close(go_fds[0]);
                 close(go_fds[1]);
             }
         }
+        for (int k = 0; k < nfds; k++) close(fds[k]);
         /* could not fork (or a malformed request): the edge takes the per-exec path */
         if (!pid && have_hdr) send_report(0);
-        for (int k = 0; k < nfds; k++) close(fds[k]);
     }
 }
 
@@ -1241,6 +1251,19 @@ static int create_init(void *arg) {
 
 /* ---- serve: the zygote ------------------------------------------------------------ */
 
+/* One zygote serves every sandbox of the node, so it never sleeps on anything a
+ * sandbox-side process (intermediate, init, exec helper, command) holds: those run in the
+ * sandbox's cgroups - cpu-throttled, SCHED_IDLE, frozen by a pause (red team 22, C2).
+ * Every call on such a thing is non-blocking: status pipes are O_NONBLOCK on our side
+ * (status_pipe) and read on their epoll event or after the writer's exit (EAGAIN = no
+ * word); reports are recv(MSG_DONTWAIT); requests go to an exec helper with
+ * sendmsg(MSG_DONTWAIT) (a full queue of a frozen helper is Failed: the per-exec path);
+ * children are waited for with WNOHANG, followed by pidfd/signalfd events; kills are
+ * pidfd_send_signal/kill. ns_pid_of reads /proc/<pid>/status of our own unreaped child
+ * waiting for its go byte (no lock a sandbox process can hold; not its mm lock). The one
+ * blocking wait is send_reply's poll on the edge's socket - the host edge, not a sandbox.
+ */
+
 /* Wire format (SOCK_SEQPACKET, one message each way per event; see protocol.py).
  * Request: struct req_hdr, then NUL-terminated strings = the exec/create argv above
  * (without the binary name). fds: exec -> [init pidfd, stdin, stdout, stderr];
@@ -1379,6 +1402,24 @@ static int ns_pid_of(pid_t pid) {
     if (end) *end = 0;
     char *last = strrchr(l, '\t');
     return last ? atoi(last + 1) : pid;
+}
+
+/* A status pipe (create, BG exec, F_TRACK): its write end goes to processes that live in a
+ * sandbox's cgroups (intermediate, init, exec helper, command) - throttled by its cpu
+ * quota, SCHED_IDLE, or frozen by a pause for as long as it stays paused. The zygote
+ * serves every sandbox of the node, so it must never sleep on such a process: our read
+ * end is O_NONBLOCK (the write end stays blocking: die()'s one short write). */
+static int status_pipe(int sp[2]) {
+    if (pipe2(sp, O_CLOEXEC) < 0) return -1;
+    if (fcntl(sp[0], F_SETFL, O_NONBLOCK) < 0) {
+        int e = errno;
+        close(sp[0]);
+        close(sp[1]);
+        sp[0] = sp[1] = -1;
+        errno = e;
+        return -1;
+    }
+    return 0;
 }
 
 static uint64_t tag(struct job *j, int what) {
@@ -1532,10 +1573,17 @@ static void drain_reports(void) {
 static void fg_exited(struct job *j) {
     if (j->replied || !j->final_done || j->mid) return;
     if (j->track && j->status_fd >= 0) {
-        /* its exit came before its status pipe's event: every writer is gone, so this
-         * read does not block; Running or Failed go before Exited */
+        /* Its exit came before its status pipe's event; Running or Failed go before
+         * Exited. The command wrote its failure (if any, one write) before exiting, so
+         * what it said is in the pipe now. Another writer may still hold the pipe - an
+         * exec helper between its fork and its close (it closes before its report since
+         * red team 22's C2, but a pipe a sandbox-side process holds must never stall the
+         * node) - so the read is non-blocking: EAGAIN is "nothing written", as EOF is
+         * (Running, then Exited: what the per-exec path says of a command that died
+         * before its execve without a word). */
         char msg[4096];
-        ssize_t n = read(j->status_fd, msg, sizeof msg - 1);
+        ssize_t n;
+        while ((n = read(j->status_fd, msg, sizeof msg - 1)) < 0 && errno == EINTR) {}
         msg[n > 0 ? n : 0] = 0;
         unwatch_close(&j->status_fd);
         j->eof = 1;
@@ -1601,7 +1649,9 @@ static void on_final_exit(struct job *j) {
 
 static void on_status(struct job *j) {
     char msg[4096];
-    ssize_t n = read(j->status_fd, msg, sizeof msg - 1);
+    ssize_t n;
+    while ((n = read(j->status_fd, msg, sizeof msg - 1)) < 0 && errno == EINTR) {}
+    if (n < 0 && errno == EAGAIN) return;  /* nothing yet (non-blocking: status_pipe) */
     msg[n > 0 ? n : 0] = 0;
     unwatch_close(&j->status_fd);
     j->eof = 1;
@@ -1764,7 +1814,7 @@ static void forward_exec(const struct req_hdr *h, int argc, int *fds, int nfds) 
     struct job *j = new_job();  /* may move the table */
     if (!j) { e = ENOMEM; why = "no memory"; goto fail; }
     hj = &jobs[hk];
-    if (track && pipe2(sp, O_CLOEXEC) < 0) { e = errno; why = "pipe2"; goto fail; }
+    if (track && status_pipe(sp) < 0) { e = errno; why = "pipe2"; goto fail; }
     fh.slot = (uint32_t)(j - jobs);
     fh.gen = j->gen;
     memcpy(out, &fh, sizeof fh);
@@ -1898,7 +1948,7 @@ static void handle(char *data, size_t len, int *fds, int nfds) {
         int bg = h.flags & F_BACKGROUND;
         int track = !bg && (h.flags & F_TRACK);
         int sp[2] = {-1, -1};
-        if ((bg || track) && pipe2(sp, O_CLOEXEC) < 0) goto sys;
+        if ((bg || track) && status_pipe(sp) < 0) goto sys;
         int dups[7] = {bg ? devnull : fds[1], bg ? devnull : fds[2], bg ? devnull : fds[3],
                        fds[0], bpf, (bg || track) ? sp[1] : devnull, rep_fds[1]};
         struct job *j = new_job();
@@ -1941,7 +1991,7 @@ static void handle(char *data, size_t len, int *fds, int nfds) {
             goto out;
         }
         int sp[2];
-        if (pipe2(sp, O_CLOEXEC) < 0) goto sys;
+        if (status_pipe(sp) < 0) goto sys;
         struct job *j = new_job();
         int dups[7] = {devnull, devnull, devnull, sp[1], bpf, netns_req ? fds[0] : devnull,
                        rep_fds[1]};
