@@ -12,7 +12,7 @@ import pytest
 
 from dsec.control.api.service import Caller
 from dsec.control.e2b.watchers import Watchers
-from dsec.errors import NotFound, RateLimited, SandboxNotFound
+from dsec.errors import NotFound, RateLimited, ResourceExhausted, SandboxNotFound
 from dsec.wire.files import FileEvent, Watch, WatchEnd
 
 ALICE = Caller(id="p-alice", name="alice", roles={})
@@ -68,6 +68,22 @@ async def test_buffer_cap_names_and_errors_after_events() -> None:
         ws.take(ALICE, wid)
     with pytest.raises(NotFound):            # and the watcher is gone with it
         ws.take(ALICE, wid)
+
+
+async def test_an_incomplete_watch_ends_with_an_error() -> None:
+    """dsec's ``incomplete`` (the project is over its share of the node's watched
+    directories, red team 22 C1) has no envd event: the watcher's events so far are
+    taken, then it fails (never a watch that silently misses a subtree)."""
+    ws = Watchers()
+    evs = [FileEvent(type="create", path="/d/f", name="f"),
+           FileEvent(type="incomplete", path="/d/sub", name="sub"),
+           FileEvent(type="create", path="/d/g", name="g")]
+    wid = await ws.create(ALICE, W, _policy(evs))
+    await asyncio.sleep(0.05)
+    assert [e["name"] for e in ws.take(ALICE, wid)] == ["f"]
+    with pytest.raises(ResourceExhausted, match="stopped following '/d/sub'"):
+        ws.take(ALICE, wid)
+    await ws.close()
 
 
 async def test_concurrent_creates_and_a_tenants_share() -> None:

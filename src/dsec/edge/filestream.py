@@ -146,7 +146,9 @@ def watch_budget() -> int:
 def watch_dir_budget() -> int:
     """inotify watches (directories) the edge's one instance holds over every watch:
     half of the host's per-uid fs.inotify.max_user_watches (shared with every root
-    process); past it a watch is refused with ResourceExhausted."""
+    process); past it a watch is refused with ResourceExhausted, unless its project is
+    within its fair share and can take room from a project over its share (see
+    :meth:`_Hub.add`)."""
     try:
         with open("/proc/sys/fs/inotify/max_user_watches") as f:
             n = int(f.read())
@@ -172,8 +174,11 @@ class FileStreamBackend(Protocol):
     async def rename_file(self, sid: SandboxId, src: str, dst: str,
                           overwrite: bool) -> FileInfo: ...
 
-    def watch_files(self, sid: SandboxId, path: str,
-                    recursive: bool) -> AsyncIterator[FileEvent]: ...
+    def watch_files(self, sid: SandboxId, path: str, recursive: bool,
+                    tenant: str = "") -> AsyncIterator[FileEvent]:
+        """Changes below ``path``; ``tenant`` (the sandbox's top-level project) shares
+        the node's watched directories fairly with the other tenants."""
+        ...
 
 
 async def read_stream(files: ConfinedFiles, path: str, offset: int, length: int | None,
@@ -279,7 +284,13 @@ class _Hub:
     it added: the kernel gives the same wd for the same inode, so a wd is refcounted
     over its subscribers and removed when the last one leaves; events are read once on
     the loop and queued to each subscriber of their wd. The directories watched over
-    the whole instance are bounded by :func:`watch_dir_budget`.
+    the whole instance are bounded by :func:`watch_dir_budget`, shared fairly between
+    the top-level projects holding watches (red team 22, C1; the rule of the process
+    rings, dsec.edge.processes): one project may follow the whole budget while nobody
+    else needs it, but a project within its share (the budget divided among the
+    projects holding watched directories, itself included) takes directories from the
+    project furthest over its share - that project's watches stop following them and
+    get an ``incomplete`` event - and is never refused by it.
 
     ``add``/``drop`` run on file threads (a recursive watch adds thousands of
     directories off the loop), hence the lock around the wd table."""
@@ -324,11 +335,23 @@ class _Hub:
                 # cancelled: nothing may be added for a subscriber that is gone
                 raise ResourceExhausted(f"watch of sandbox {sub.files.sid} was closed")
             budget = watch_dir_budget()
-            if len(self.subs) >= budget:
-                raise ResourceExhausted(
+            while len(self.subs) >= budget:
+                held = self._held()
+                tenants = set(held) | {sub.tenant}
+                share = max(1, budget // len(tenants))
+                have = held.get(sub.tenant, 0)
+                over = {t: n - share for t, n in held.items()
+                        if t != sub.tenant and n > share}
+                if have + 1 <= share and over and self._reclaim(
+                        max(over, key=over.__getitem__)):
+                    continue
+                raise _OverShare(
                     f"cannot watch {path!r} in sandbox {sub.files.sid}: the node's file "
                     f"watches follow {len(self.subs)} directories, its budget ({budget}: "
-                    "half of fs.inotify.max_user_watches); retry later", limit=budget)
+                    f"half of fs.inotify.max_user_watches); project {sub.tenant or '-'} "
+                    f"follows {have} of them (its share while {len(tenants)} projects "
+                    f"watch: {share}); watch a smaller tree or close other watches",
+                    limit=budget, share=share)
             wd = _libc.inotify_add_watch(self.fd, f"/proc/self/fd/{dir_fd}".encode(),
                                          ctypes.c_uint32(_MASK))
             if wd < 0:
@@ -342,6 +365,31 @@ class _Hub:
             self.subs.setdefault(wd, set()).add(sub)
             sub.dirs[wd] = path
             return int(wd)
+
+    def _held(self) -> dict[str, int]:
+        """Directories each project's watches follow (a directory two watches of one
+        project follow counts twice: each holds it). Only asked when the budget is
+        full, so it is counted then rather than kept."""
+        subs = {s for users in self.subs.values() for s in users}
+        held: dict[str, int] = {}
+        for s in subs:
+            held[s.tenant] = held.get(s.tenant, 0) + len(s.dirs)
+        return held
+
+    def _reclaim(self, victim: str) -> bool:
+        """Take one directory from project ``victim``: the one its largest watch added
+        last (never a watch's own root: that is the watch), told to that watch as an
+        ``incomplete`` event. False when it has none to give."""
+        subs = {s for users in self.subs.values() for s in users
+                if s.tenant == victim and len(s.dirs) > 1}
+        if not subs:
+            return False
+        big = max(subs, key=lambda s: len(s.dirs))
+        wd, path = next(reversed(big.dirs.items()))
+        self.drop(big, [wd])
+        big.dirs.pop(wd, None)
+        big.lost(path)
+        return True
 
     def drop(self, sub: _Inotify, wds: list[int]) -> None:
         with self.lock:
@@ -376,6 +424,11 @@ class _Hub:
                 t.push(wd, mask, name)
 
 
+class _OverShare(ResourceExhausted):
+    """The node's watched-directory budget is full and the adding project may take no
+    room (:meth:`_Hub.add`): past a watch's root, the watch goes on incomplete."""
+
+
 class _Inotify:
     """One watch: the confined directories it follows (wd -> path) on the edge's shared
     instance (:class:`_Hub`) and the events queued for it.
@@ -385,13 +438,23 @@ class _Inotify:
     (IN_DELETE_SELF) only when the fd closes - a watch never learned its directory was
     gone. The watch itself pins the inode, not the name."""
 
-    def __init__(self, files: ConfinedFiles) -> None:
+    def __init__(self, files: ConfinedFiles, tenant: str = "") -> None:
         self.files = files
+        self.tenant = tenant
         self.dirs: dict[int, str] = {}
         self.queue: collections.deque[tuple[int, int, bytes]] = collections.deque()
+        # directories this watch stopped following (or never followed) for its
+        # project's share of the node's budget: told as ``incomplete`` events
+        self.missing: collections.deque[str] = collections.deque()
         self.ready = asyncio.Event()
         self.closed = False
         self.hub: _Hub | None = _Hub.acquire(files.sid)
+        self.loop = asyncio.get_running_loop()
+
+    def lost(self, path: str) -> None:
+        """Directory ``path`` is not followed (any thread: adds run on file threads)."""
+        self.missing.append(path)
+        self.loop.call_soon_threadsafe(self.ready.set)
 
     def push(self, wd: int, mask: int, name: bytes) -> None:
         if len(self.queue) >= MAX_QUEUED_EVENTS:
@@ -416,7 +479,15 @@ class _Inotify:
             while stack:
                 p, fd = stack.pop()
                 try:
-                    self.add(p, fd)
+                    try:
+                        self.add(p, fd)
+                    except _OverShare:
+                        if not self.dirs:
+                            raise       # the watch's root: the watch is refused
+                        # its project is over its share: the watch goes on without
+                        # this subtree (nor the rest of the walk), and says so
+                        self.lost(p)
+                        return
                     try:
                         with os.scandir(f"/proc/self/fd/{fd}") as it:
                             names = [e.name for e in it if e.is_dir(follow_symlinks=False)]
@@ -443,9 +514,11 @@ class _Inotify:
 
 
 async def watch(files: ConfinedFiles, path: str, recursive: bool,
-                run: Run) -> AsyncIterator[FileEvent]:
-    """Yield changes below directory ``path`` until it goes away (then return)."""
-    ino = _Inotify(files)
+                run: Run, tenant: str = "") -> AsyncIterator[FileEvent]:
+    """Yield changes below directory ``path`` until it goes away (then return).
+    ``tenant`` (the sandbox's top-level project) shares the node's watched directories
+    with the other tenants (:class:`_Hub`)."""
+    ino = _Inotify(files, tenant)
     try:
         root_fd = await run(functools.partial(files.open_dir, path))
         root = "/" + path.strip("/") if path.strip("/") else "/"
@@ -460,6 +533,10 @@ async def watch(files: ConfinedFiles, path: str, recursive: bool,
         while True:
             await ino.ready.wait()
             ino.ready.clear()
+            while ino.missing:
+                gone = ino.missing.popleft()
+                yield FileEvent(type="incomplete", path=gone,
+                                name=gone.rstrip("/").rpartition("/")[2])
             while ino.queue:
                 wd, mask, name = ino.queue.popleft()
                 if mask & _IN_Q_OVERFLOW:

@@ -1836,8 +1836,9 @@ class EdgeNode:
         async with self._file_stream(b.id, "watch", read=True, kind=-1) as (rec, backend):
             try:
                 async with asyncio.timeout(b.timeout_s):
+                    tenant = project_of(rec.spec).partition("/")[0]
                     async for ev in backend.watch_files(SandboxId(rec.id), b.path,
-                                                        b.recursive):
+                                                        b.recursive, tenant):
                         await send(ev)
             except TimeoutError:
                 return "timeout"

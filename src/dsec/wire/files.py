@@ -52,9 +52,10 @@ MAX_WATCHES_PER_SANDBOX = 8
 # A watch's own deadline, when it asks for one (a day).
 MAX_WATCH_S = 86_400.0
 
-FileEventType = Literal["create", "write", "remove", "rename", "chmod", "overflow"]
+FileEventType = Literal["create", "write", "remove", "rename", "chmod", "overflow",
+                        "incomplete"]
 FILE_EVENT_TYPES: tuple[str, ...] = ("create", "write", "remove", "rename", "chmod",
-                                     "overflow")
+                                     "overflow", "incomplete")
 
 
 class ReadStream(_Call, kw_only=True):
@@ -141,7 +142,11 @@ class Watch(_Call, kw_only=True):
 class FileEvent(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """One change below a watched directory: ``path`` is the sandbox path of the entry,
     ``name`` its last component. ``overflow``: the kernel dropped events (the watcher
-    read too slowly); list the directory again."""
+    read too slowly); list the directory again. ``incomplete``: the watch no longer
+    follows directory ``path`` (nor what is below it): its project holds more than its
+    share of the node's watched directories while another project needs room (red team
+    22, C1); the rest of the watch goes on. Watch a smaller tree, or close other watches
+    of the project and watch again."""
 
     type: FileEventType
     path: str

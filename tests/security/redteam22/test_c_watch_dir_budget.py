@@ -98,3 +98,59 @@ async def test_one_project_cannot_take_the_nodes_watch_directories(
         with contextlib.suppress(BaseException):
             await asyncio.gather(*(t for t in (ta, tb) if t is not None),
                                  return_exceptions=True)
+
+
+async def test_the_project_over_its_share_is_told_its_watch_is_incomplete(
+        node: EdgeNode, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The other side of the fix: the directories ``other`` needs come from acme's
+    watch, which says so (an ``incomplete`` event, never silently), goes on, and
+    follows no directory created later while the node's budget is full."""
+    monkeypatch.setattr(filestream, "watch_dir_budget", lambda: BUDGET)
+    a = (await node.create(SandboxSpec(backend="container", project="acme",
+                                       memory_bytes=128 << 20))).id
+    b = (await node.create(SandboxSpec(backend="container", project="other",
+                                       memory_bytes=128 << 20))).id
+    mk = "mkdir -p /tmp/w/1 /tmp/w/2 /tmp/w/3 /tmp/w/4 /tmp/w/5"
+    assert (await node.exec(a, ExecRequest(argv=("sh", "-c", mk)))).exit_code == 0
+    assert (await node.exec(b, ExecRequest(argv=("mkdir", "-p", "/tmp/o/1")))
+            ).exit_code == 0
+    got_a: list[FileEvent] = []
+    got_b: list[FileEvent] = []
+
+    async def send_a(ev: FileEvent) -> None:
+        got_a.append(ev)
+
+    async def send_b(ev: FileEvent) -> None:
+        got_b.append(ev)
+
+    ta = asyncio.ensure_future(node.file_watch(Watch(id=a, path="/tmp/w", recursive=True),
+                                               send_a))
+    tb: asyncio.Task[str] | None = None
+    try:
+        assert await _opened(ta)
+        assert not got_a, got_a         # alone, acme may follow the whole budget
+        tb = asyncio.ensure_future(node.file_watch(
+            Watch(id=b, path="/tmp/o", recursive=True), send_b))
+        assert await _opened(tb), tb.exception()
+        lost = [e for e in got_a if e.type == "incomplete"]
+        assert len(lost) == 2, got_a    # other's 2 directories came from acme's 6
+        assert all(e.path.startswith("/tmp/w/") for e in lost), lost
+        assert not [e for e in got_b if e.type == "incomplete"], got_b
+        # acme (at its share, the budget full) grows its tree: told, not followed
+        assert (await node.exec(a, ExecRequest(argv=("mkdir", "/tmp/w/6")))).exit_code == 0
+        await asyncio.sleep(0.3)
+        assert any(e.type == "create" and e.path == "/tmp/w/6" for e in got_a), got_a
+        assert any(e.type == "incomplete" and e.path == "/tmp/w/6" for e in got_a), got_a
+        assert not ta.done() and not tb.done()
+        # other, within its share, still grows its own tree
+        assert (await node.exec(b, ExecRequest(argv=("mkdir", "/tmp/o/2")))).exit_code == 0
+        await asyncio.sleep(0.3)
+        assert any(e.type == "create" and e.path == "/tmp/o/2" for e in got_b), got_b
+        assert not [e for e in got_b if e.type == "incomplete"], got_b
+    finally:
+        for t in (ta, tb):
+            if t is not None:
+                t.cancel()
+        with contextlib.suppress(BaseException):
+            await asyncio.gather(*(t for t in (ta, tb) if t is not None),
+                                 return_exceptions=True)

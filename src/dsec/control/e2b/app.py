@@ -1332,6 +1332,9 @@ class E2BApp:
         (:meth:`_may_watch`); refused, the stream ends with the error."""
         def frame(item: FileEvent | WatchEnd) -> tuple[bytes, bool]:
             if isinstance(item, FileEvent):
+                lost = mapping.watch_incomplete(item, path)
+                if lost is not None:
+                    return rpc.end_stream(self._rpc_code(lost, request)), True
                 ev = mapping.fs_event(item, path)
                 return (b"" if ev is None else
                         rpc.envelope({"event": {"filesystem": ev}})), False

@@ -18,7 +18,7 @@ import stat as stat_mod
 from dataclasses import dataclass
 from typing import Any
 
-from dsec.errors import InvalidArgument
+from dsec.errors import InvalidArgument, ResourceExhausted
 from dsec.wire.api import CreateSandboxRequest
 from dsec.wire.files import FileEvent
 from dsec.wire.netpolicy import NetworkPolicy
@@ -35,6 +35,7 @@ __all__ = [
     "sandbox_created",
     "sandbox_detail",
     "state_of",
+    "watch_incomplete",
 ]
 
 #: The envd version this layer reports. The SDK gates features on it: >= 0.4.0 sends no
@@ -329,6 +330,19 @@ def fs_event(ev: FileEvent, watched: str) -> dict[str, Any] | None:
     base = watched.rstrip("/") + "/"
     name = ev.path[len(base):] if ev.path.startswith(base) else (ev.name or ev.path)
     return {"name": name, "type": kind}
+
+
+def watch_incomplete(ev: FileEvent, watched: str) -> ResourceExhausted | None:
+    """dsec's ``incomplete`` (the watch stopped following directory ``ev.path``: its
+    project is over its share of the node's watched directories, red team 22 C1) has no
+    envd event: the E2B watch ends with this error rather than miss changes silently."""
+    if ev.type != "incomplete":
+        return None
+    return ResourceExhausted(
+        f"the watch of {watched[:200]!r} stopped following {ev.path[:200]!r}: this "
+        "project's file watches follow more than its share of the node's watched "
+        "directories while another project needs room; watch a smaller tree or close "
+        "other watches, then watch again", path=ev.path)
 
 
 def write_info(fi: FileInfo) -> dict[str, Any]:

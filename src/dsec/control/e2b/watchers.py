@@ -125,6 +125,16 @@ class Watchers:
                         item.path.rpartition("/")[2].startswith(PROBE_PREFIX):
                     w.armed.set()
                     continue
+                lost = mapping.watch_incomplete(item, w.path)
+                if lost is not None:
+                    # envd has no such event: the watcher ends with the error (its
+                    # events so far are still taken first), never a silent gap
+                    w.error = lost
+                    close = getattr(stream, "aclose", None)
+                    if close is not None:
+                        with contextlib.suppress(Exception):
+                            await close()
+                    break
                 ev = mapping.fs_event(item, w.path)
                 if ev is None:
                     continue

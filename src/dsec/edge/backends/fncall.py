@@ -1428,10 +1428,11 @@ class FncallBackend:
                           overwrite: bool) -> FileInfo:
         return await self._files(sid, lambda f: f.rename(src, dst, overwrite=overwrite))
 
-    async def watch_files(self, sid: SandboxId, path: str,
-                          recursive: bool) -> AsyncIterator[FileEvent]:
+    async def watch_files(self, sid: SandboxId, path: str, recursive: bool,
+                          tenant: str = "") -> AsyncIterator[FileEvent]:
         with self._handle(sid) as files:
-            async for ev in filestream.watch(files, path, recursive, self._in_pool):
+            async for ev in filestream.watch(files, path, recursive, self._in_pool,
+                                             tenant):
                 yield ev
 
     async def list_dir(self, sid: SandboxId, path: str) -> list[FileInfo]:

@@ -606,8 +606,8 @@ class SimulatedBackend:
         _emit(box, "create", d)
         return self._info(box, d)
 
-    async def watch_files(self, sid: SandboxId, path: str,
-                          recursive: bool) -> AsyncIterator[FileEvent]:
+    async def watch_files(self, sid: SandboxId, path: str, recursive: bool,
+                          tenant: str = "") -> AsyncIterator[FileEvent]:
         box = self._box(sid)
         p = _abs(path)
         if p not in box.fs.dirs:

@@ -2275,10 +2275,11 @@ class ContainerBackend:
         return await self._file_op(sid, lambda f: f.rename(src, dst, overwrite=overwrite),
                                    user)
 
-    async def watch_files(self, sid: SandboxId, path: str,
-                          recursive: bool) -> AsyncIterator[FileEvent]:
+    async def watch_files(self, sid: SandboxId, path: str, recursive: bool,
+                          tenant: str = "") -> AsyncIterator[FileEvent]:
         with self._files(sid) as files:
-            async for ev in filestream.watch(files, path, recursive, self._in_pool):
+            async for ev in filestream.watch(files, path, recursive, self._in_pool,
+                                             tenant):
                 yield ev
 
     async def list_dir(self, sid: SandboxId, path: str, *,
