@@ -292,7 +292,7 @@ class Admin:
         or forgotten ``session_retention_s`` after it lapsed) is a 404 and is never
         claimed by whoever renews it first: session ids show up in sandbox labels, and
         the owner of a session decides when its sandboxes are swept."""
-        if not sid.startswith("ses-") or len(sid) > 64:
+        if not _session_shaped(sid):
             raise NotFound(f"no session {sid[:64]!r}; open one with POST /v1/sessions")
         row = self.store.renew_session(sid, caller.id, self.clock())
         if row is None:
@@ -309,7 +309,7 @@ class Admin:
         swept, and a sandbox bound to a session id that does not exist was swept (or
         kept) by chance. Refused as the renew of it would be (404, no hint whether the
         id exists for someone else)."""
-        s = self.store.get_session(sid) if len(sid) <= 64 else None
+        s = self.store.get_session(sid) if _session_shaped(sid) else None
         if s is None or s.principal_id != caller.id:
             raise NotFound(f"no session {sid[:64]!r} of this API key's principal: open one "
                            "with POST /v1/sessions and create under it", field="session")
@@ -317,7 +317,7 @@ class Admin:
             raise NotFound(f"session {sid} was closed; open a new one", field="session")
 
     def close_session(self, caller: Caller, sid: str) -> None:
-        s = self.store.get_session(sid) if len(sid) <= 64 else None
+        s = self.store.get_session(sid) if _session_shaped(sid) else None
         if s is None or s.principal_id != caller.id:
             raise NotFound(f"no session {sid[:64]!r}")
         self.store.put_session(SessionRow(id=s.id, principal_id=s.principal_id,
@@ -337,3 +337,11 @@ def _tier_views(q: Quota) -> dict[Any, TierQuota]:
         return None if v is None else min(max(v, 0), MAX_QUOTA)
     return {t: TierQuota(max_sandboxes=c(lim.max_sandboxes), cpu_milli=c(lim.cpu_milli),
                          memory_bytes=c(lim.memory_bytes)) for t, lim in q.tiers.items()}
+
+
+def _session_shaped(sid: str) -> bool:
+    """Could ``sid`` be a session id this control plane made (``ses-`` + hex)? Anything
+    else is no session of ours and never reaches the store (a NUL byte in a session id
+    was a PostgreSQL DataError, a 500, found by schemathesis)."""
+    return (sid.startswith("ses-") and len(sid) <= 64 and sid.isascii()
+            and sid.isprintable())

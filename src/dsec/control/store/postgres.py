@@ -182,6 +182,12 @@ class PostgresStore(SqlStore):
                 f"the PostgreSQL state store at {self.where} rolled a transaction back "
                 f"({self._clean(exc)}); retry it", retry_after=0.1, store="postgresql",
                 rolled_back=True) from None
+        except psycopg.DataError as exc:
+            # A value PostgreSQL cannot store (a NUL byte in a text field; SQLite takes
+            # it): a request's bad input wherever it came from, never a 500. Found by
+            # schemathesis through a session id; the doors check ids too.
+            raise InvalidArgument(f"a value of this request cannot be stored: "
+                                  f"{self._clean(exc)}") from None
         except _CONN_ERRORS as exc:
             self._last_error = self._clean(exc)
             if not self._down:
