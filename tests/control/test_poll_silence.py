@@ -58,7 +58,6 @@ def test_the_stall_meter_counts_late_ticks_and_an_overdue_one_within_a_window() 
     assert abs(m.stalled(150.0, 200.0) - 50.0) < 1e-6
 
 
-@pytest.mark.serial   # timing: a 6 s loop stall against a 5 s deadline (failed once at load 38)
 @pytest.mark.store_kinds("sqlite")   # a loop stall (6 s), whatever the store
 def test_a_poll_that_times_out_while_this_process_stalls_holds_the_node(
         tmp_path: Path, store_url: str) -> None:
