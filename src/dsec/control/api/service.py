@@ -1884,9 +1884,16 @@ class ApiService:
         edge, _ = await self._edge_for(caller, b.id, "reader")   # reads: no resume
         return self._watch(edge, b)
 
-    async def _watch(self, edge: EdgeOps, b: Watch) -> AsyncIterator[FileEvent | WatchEnd]:
+    def _watch(self, edge: EdgeOps, b: Watch) -> AsyncIterator[FileEvent | WatchEnd]:
+        return self._edge_stream(edge, ops.FILE_WATCH, "file_watch", b)
+
+    async def _edge_stream(self, edge: EdgeOps, op: Any, name: str, b: Any, *,
+                           effect: bool = False, sent: bool = True) -> AsyncIterator[Any]:
+        """One edge stream of sandbox ``b.id``, its errors mapped as every door expects:
+        the sandbox gone (lost, with its reason, or not found), or its edge unreachable
+        (``effect``: the call may have acted; ``sent``: it reached the link)."""
         try:
-            async for item in edge.stream(ops.FILE_WATCH, b, timeout=None):
+            async for item in edge.stream(op, b, timeout=None):
                 yield item
         except SandboxNotFound:
             lost = self._vanished(b.id)
@@ -1894,8 +1901,8 @@ class ApiService:
                 raise _lost_error(lost) from None
             raise _not_found(b.id) from None
         except _LINK_ERRORS as exc:
-            raise _unreachable(node_of(b.id), "file_watch", b.id, exc, effect=False,
-                               sent=True) from exc
+            raise _unreachable(node_of(b.id), name, b.id, exc, effect=effect,
+                               sent=sent) from exc
 
     # ------------------------------------------------------------------ ports
     def _exposed(self, sid: str, rec: PortRecord, ttl: float | None) -> ExposedPort:
@@ -2090,19 +2097,9 @@ class ApiService:
         edge, _ = await self._edge_for(caller, b.id, "reader")
         return self._process_stream(edge, b)
 
-    async def _process_stream(self, edge: EdgeOps,
-                              b: ProcessRef) -> AsyncIterator[ExecChunk | ExecResult]:
-        try:
-            async for item in edge.stream(ops.PROCESS_CONNECT, b, timeout=None):
-                yield item
-        except SandboxNotFound:
-            lost = self._vanished(b.id)
-            if lost is not None:
-                raise _lost_error(lost) from None
-            raise _not_found(b.id) from None
-        except _LINK_ERRORS as exc:
-            raise _unreachable(node_of(b.id), "process_connect", b.id, exc, effect=False,
-                               sent=True) from exc
+    def _process_stream(self, edge: EdgeOps,
+                        b: ProcessRef) -> AsyncIterator[ExecChunk | ExecResult]:
+        return self._edge_stream(edge, ops.PROCESS_CONNECT, "process_connect", b)
 
     async def _process_run_op(self, caller: Caller, b: ExecCall,
                               ) -> AsyncIterator[ProcessRunItem | ExecResult]:
@@ -2112,22 +2109,13 @@ class ApiService:
         edge, _ = await self._edge_for(caller, b.id, "member", wake=True)
         return self._process_run_stream(edge, b)
 
-    async def _process_run_stream(self, edge: EdgeOps, b: ExecCall,
-                                  ) -> AsyncIterator[ProcessRunItem | ExecResult]:
+    def _process_run_stream(self, edge: EdgeOps, b: ExecCall,
+                            ) -> AsyncIterator[ProcessRunItem | ExecResult]:
         sent = not getattr(getattr(edge, "conn", None), "closed", False)
-        try:
-            async for item in edge.stream(ops.PROCESS_RUN, b, timeout=None):
-                yield item
-        except SandboxNotFound:
-            lost = self._vanished(b.id)
-            if lost is not None:
-                raise _lost_error(lost) from None
-            raise _not_found(b.id) from None
-        except _LINK_ERRORS as exc:
-            # the process may have started (after the first item it has, and runs on:
-            # process_list / process_connect by its pid reach it)
-            raise _unreachable(node_of(b.id), "process_run", b.id, exc, effect=True,
-                               sent=sent) from exc
+        # the process may have started (after the first item it has, and runs on:
+        # process_list / process_connect by its pid reach it)
+        return self._edge_stream(edge, ops.PROCESS_RUN, "process_run", b, effect=True,
+                                 sent=sent)
 
     async def _read_file_op(self, caller: Caller, b: ReadFile) -> bytes:
         return await self.read_file(caller, b.id, b.path, b.offset, b.length, b.user)
