@@ -21,6 +21,7 @@ APT_STAMP := .apt-installed
 # (tests/control/ui).
 # qemu-system-x86: the vm isolation tier (src/dsec/edge/backends/vm, docs/vm.md) runs each
 # sandbox in a QEMU guest; its kernel is fetched by the vm-kernel step below.
+# strace: red team 22 C2's repro delays a sandbox's exec helper deterministically.
 APT_PACKAGES := erofs-utils busybox-static tini catatonit runc runsc iproute2 nftables libseccomp2 \
                 util-linux e2fsprogs btrfs-progs procps psmisc \
                 gcc libc6-dev \
@@ -32,7 +33,8 @@ APT_PACKAGES := erofs-utils busybox-static tini catatonit runc runsc iproute2 nf
                 fuse3 libfuse3-dev pkg-config \
                 tmux \
                 chromium fonts-dejavu-core \
-                qemu-system-x86
+                qemu-system-x86 \
+                strace
 # The Debian packages the tests bootstrap an image from (tests/build), fetched once into
 # a local apt repo under /var/cache/dsec/debian/ (keyed by suite + package list), which
 # the tests serve on loopback: tests never download.
