@@ -1450,8 +1450,15 @@ class ControlPlane:
             self.registry.on_pending.remove(due.set)
 
     async def poll_edges(self) -> None:
-        await asyncio.gather(*(self._poll(e) for e in list(self.edges.values())),
-                             return_exceptions=True)
+        """Poll every edge now and wait for the polls: each one started like the
+        heartbeat loop's (registered in ``_polling``), so expiry sees it in flight and
+        holds the node while it is not silence. A poll run outside ``_polling`` was
+        invisible to :meth:`_expire`: a loop stall mid-poll let the expiry timer, due
+        during the stall, write the node off before the poll's own timeout was
+        classified (CI, under load)."""
+        self._start_polls()
+        polls = [t for n, t in self._polling.items() if n in self.edges]
+        await asyncio.gather(*polls, return_exceptions=True)
         self.registry.flush()
 
     async def _link(self, e: EdgeEntry) -> Any:
