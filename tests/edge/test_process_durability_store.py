@@ -101,10 +101,18 @@ def test_keeper_reaps_the_orphans_of_what_it_started(store: FdStore) -> None:
 
 def test_what_the_keeper_starts_ignores_and_blocks_no_signal(store: FdStore) -> None:
     """Ignored dispositions survive execve: anything ignored here would be ignored by
-    every sandbox command the exec helper starts (a Ctrl-C that does nothing)."""
+    every sandbox command the exec helper starts (a Ctrl-C that does nothing). The
+    keeper is started with SIGHUP and 32 ignored, as CI's parent left 32 (glibc's
+    posix_spawn does) and ``nohup`` leaves SIGHUP: it puts them back to the default."""
+    from tests.edge.container.test_process_durability import _sigaction
     r, w = os.pipe()
-    helper = store.spawn(["sh", "-c", "grep -E '^Sig(Ign|Blk)' /proc/self/status >&{0}"],
-                         "/bin/sh", [w])
+    before = {s: _sigaction(s, 1) for s in (signal.SIGHUP, 32)}
+    try:
+        helper = store.spawn(["sh", "-c", "grep -E '^Sig(Ign|Blk)' /proc/self/status >&{0}"],
+                             "/bin/sh", [w])
+    finally:
+        for s, h in before.items():
+            _sigaction(s, h)
     os.close(w)
     helper.wait(timeout=5)
     out = os.read(r, 1000).decode()

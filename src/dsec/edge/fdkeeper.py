@@ -70,6 +70,46 @@ PAGE_BYTES = 32768     # a keys answer's keys, at most (the edge reads 64 KiB)
 RESERVE = MAX_FDS + 8
 
 
+_SYS_RT_SIGACTION = {"x86_64": 13, "aarch64": 134}
+_SIG_IGN = 1
+
+
+class _KernelSigaction(ctypes.Structure):
+    _fields_ = [("handler", ctypes.c_void_p), ("flags", ctypes.c_ulong),
+                ("restorer", ctypes.c_void_p), ("mask", ctypes.c_ulong)]
+
+
+def reset_ignored_signals(keep: tuple[int, ...] = (signal.SIGPIPE, signal.SIGXFSZ)
+                          ) -> list[int]:
+    """Put every signal this process ignores (but ``keep``) back to its default, and
+    return which: an ignored signal survives fork and execve, so whatever started the
+    edge (nohup: SIGHUP; a script's ``&``: SIGINT, SIGQUIT; glibc's posix_spawn: its own
+    32 and 33) would reach each process we start. Raw ``rt_sigaction``: glibc's
+    ``sigaction()``, hence Python's ``signal``, refuses 32 and 33. Python ignores SIGPIPE
+    and SIGXFSZ on purpose (``keep``); :class:`subprocess.Popen` restores them in a
+    child. Stdlib only: the keeper runs isolated (``python -I``)."""
+    nr = _SYS_RT_SIGACTION.get(os.uname().machine)
+    if nr is None:                 # not a machine we know the number on: what Python can
+        done = []
+        for s in signal.valid_signals():
+            if s not in keep and signal.getsignal(s) == signal.SIG_IGN:
+                signal.signal(s, signal.SIG_DFL)
+                done.append(int(s))
+        return done
+    libc = ctypes.CDLL(None, use_errno=True)
+    done = []
+    for s in range(1, 65):
+        if s in (signal.SIGKILL, signal.SIGSTOP) or s in keep:
+            continue
+        old = _KernelSigaction()
+        if libc.syscall(nr, s, None, ctypes.byref(old), 8) != 0 or old.handler != _SIG_IGN:
+            continue
+        dfl = _KernelSigaction()
+        if libc.syscall(nr, s, ctypes.byref(dfl), None, 8) == 0:
+            done.append(s)
+    return done
+
+
 def _recv(conn: socket.socket) -> tuple[dict[str, object] | None, list[int], bool]:
     """(message or None at EOF or {} if unreadable, descriptors, truncated): truncated
     when the message or its descriptors did not arrive whole (MSG_TRUNC/MSG_CTRUNC: at
@@ -422,6 +462,7 @@ def main(argv: list[str]) -> int:
         print("fdkeeper: PR_SET_CHILD_SUBREAPER:", os.strerror(ctypes.get_errno()),
               file=sys.stderr)
     os.set_inheritable(listen_fd, False)
+    reset_ignored_signals()       # what it spawns (the exec helper) inherits them
     # it may hold three descriptors per background process of the node
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft < hard:

@@ -442,3 +442,69 @@ async def test_processes_the_exec_helper_forked_survive_with_their_exit_status(
         _, res = await _read(c, sid, loop.pid, until=b"\xff")
         assert res is not None and res.exit_code == 128 + signal.SIGKILL
     assert not _alive(host)
+
+
+def _sigaction(sig: int, handler: int | None) -> int:
+    """The raw rt_sigaction: set ``sig``'s handler (0 default, 1 ignore; None: only read)
+    and return the old one (glibc refuses 32 and 33, which CI's parent had ignored)."""
+    import ctypes
+
+    from dsec.edge.fdkeeper import _SYS_RT_SIGACTION, _KernelSigaction
+    libc = ctypes.CDLL(None, use_errno=True)
+    old, new = _KernelSigaction(), _KernelSigaction(handler=handler or 0)
+    nr = _SYS_RT_SIGACTION[os.uname().machine]
+    assert libc.syscall(nr, sig, None if handler is None else ctypes.byref(new),
+                        ctypes.byref(old), 8) == 0, os.strerror(ctypes.get_errno())
+    return int(old.handler or 0)
+
+
+def _sig_fields(status: str) -> dict[str, str]:
+    return {ln.split(":")[0]: ln.split()[1] for ln in status.splitlines()
+            if ln.startswith(("SigIgn:", "SigBlk:"))}
+
+
+async def test_signals_ignored_by_whoever_started_the_edge_reach_no_sandbox_process(
+        edge: EdgeProcess) -> None:
+    """CI started the suite with signal 32 ignored (glibc's posix_spawn leaves its
+    internal signals so), and every process the edge started inherited it: an ignored
+    signal survives fork and execve. So would SIGHUP under ``nohup dsec up`` and SIGINT
+    and SIGQUIT under a script's ``dsec up &`` (a Ctrl-C in the sandbox's terminal then
+    does nothing). The edge here starts with all four ignored; the sandbox's init, a
+    plain exec, a background process and a terminal's shell ignore and block nothing,
+    and the descriptor keeper ignores only what Python itself does."""
+    ignored = (signal.SIGHUP, signal.SIGINT, signal.SIGQUIT, 32)
+    before = {s: _sigaction(s, 1) for s in ignored}
+    try:
+        await edge.start()
+    finally:
+        for s, h in before.items():
+            _sigaction(s, h)
+    clean = {"SigIgn": "0" * 16, "SigBlk": "0" * 16}
+    edge_ign = int(_sig_fields(Path(f"/proc/{edge.pid}/status").read_text())["SigIgn"], 16)
+    # the premise (SIGINT: the edge handles it itself)
+    assert all(edge_ign & (1 << (s - 1)) for s in ignored if s != signal.SIGINT), \
+        hex(edge_ign)
+    async with await edge.client() as c:
+        sid = (await c.create(SPEC)).id
+        # "; exit 0": busybox ash ignores SIGQUIT itself ("as bash does") and leaks that
+        # into a command it execs in place of itself (sh -c 'cmd'); a forked one gets
+        # what the shell inherited, which is what this test is about
+        show = "grep -E '^Sig(Ign|Blk)' /proc/self/status; exit 0"
+        r = await c.call(ops.EXEC, ExecCall(id=sid, req=ExecRequest(
+            argv=("grep", "-E", "^Sig(Ign|Blk)", "/proc/self/status"))))
+        assert _sig_fields(r.stdout.decode()) == clean, r
+        r = await c.call(ops.EXEC, ExecCall(id=sid, req=ExecRequest(shell=show)))
+        assert _sig_fields(r.stdout.decode()) == clean, r
+        r = await c.call(ops.EXEC, ExecCall(id=sid, req=ExecRequest(
+            shell="grep -E '^Sig(Ign|Blk)' /proc/1/status")))
+        # (the init blocks what it reads from a signalfd: only what it ignores counts)
+        assert _sig_fields(r.stdout.decode())["SigIgn"] == clean["SigIgn"], ("init", r)
+        bg = await _start(c, sid, show)
+        out, res = await _read(c, sid, bg.pid, until=b"\xff")
+        assert res is not None and _sig_fields(out.decode()) == clean, out
+        tty = await _start(c, sid, show, pty=PtySize(rows=24, cols=80))
+        out, res = await _read(c, sid, tty.pid, until=b"\xff")
+        assert res is not None and _sig_fields(out.decode()) == clean, out
+    (keeper,) = _keepers(edge)
+    kept = int(_sig_fields(Path(f"/proc/{keeper}/status").read_text())["SigIgn"], 16)
+    assert kept & ~((1 << (signal.SIGPIPE - 1)) | (1 << (signal.SIGXFSZ - 1))) == 0, hex(kept)

@@ -50,6 +50,7 @@ import msgspec
 
 from dsec.edge.backends import fncall_jail
 from dsec.edge.backends.fncall_jail import JailConfig
+from dsec.edge.fdkeeper import reset_ignored_signals
 
 _LEN = struct.Struct("!I")
 _MAX_FDS = 16
@@ -139,6 +140,7 @@ def zygote(fd: int) -> None:
         except Exception as exc:  # noqa: BLE001 - reported to the edge, then we exit
             ctl.sendall(b"E" + f"{type(exc).__name__}: {exc}".encode()[:4000])
             os._exit(1)
+    reset_ignored_signals()   # what started the edge ignored is not the calls' to inherit
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps the forked workers
     # Everything imported so far goes to the permanent generation: a collection in a
     # worker then never walks (and copy-on-write-faults) the zygote's heap.

@@ -600,6 +600,22 @@ static void setup_pty(uid_t uid, gid_t gid, int chown_it) {
  * dsec.edge.backends.container.SANDBOX_NOFILE. */
 #define SANDBOX_NOFILE 1024
 
+/* Every signal's disposition back to the default and nothing blocked, just before a
+ * sandbox's process starts: an ignored signal survives execve, and whatever started the
+ * edge may have ignored some - nohup: SIGHUP; `dsec up &` from a script: SIGINT and
+ * SIGQUIT (a Ctrl-C in the sandbox's terminal would do nothing); a parent started with
+ * glibc's posix_spawn: 32 and 33, glibc's own, which its sigaction() refuses to touch
+ * (CI found SigIgn 0x80000000 in a command's status) - hence the raw syscall. */
+static void default_signals(void) {
+    struct { void *handler; unsigned long flags; void *restorer; unsigned long mask; } dfl;
+    memset(&dfl, 0, sizeof dfl);             /* handler 0: SIG_DFL */
+    for (int s = 1; s <= 64; s++)
+        if (s != SIGKILL && s != SIGSTOP) syscall(SYS_rt_sigaction, s, &dfl, NULL, 8);
+    sigset_t none;
+    sigemptyset(&none);
+    sigprocmask(SIG_SETMASK, &none, NULL);
+}
+
 static void sandbox_rlimits(int fail_code) {
     struct rlimit r = {SANDBOX_NOFILE, SANDBOX_NOFILE}, cur;
     if (getrlimit(RLIMIT_NOFILE, &cur) == 0 && cur.rlim_max < r.rlim_max)
@@ -615,7 +631,7 @@ static int exec_final(void *arg) {
     int nenv = a->nenv;
     char **env = a->env, **target = a->target;
     await_go();
-    signal(SIGPIPE, SIG_DFL);  /* the intermediate ignored it; the command gets the default */
+    default_signals();  /* the intermediate ignored SIGPIPE; the command gets defaults */
     if (setsid() < 0) die(126, "setsid");
     uid_t uid = 0;
     gid_t gid = 0;
@@ -806,7 +822,7 @@ static int helper_final(void *arg) {
     while ((r = read(3, &c, 1)) < 0 && errno == EINTR) {}
     close(3);
     if (r != 1) { errno = ECHILD; die(126, "the exec helper died before the command started"); }
-    signal(SIGPIPE, SIG_DFL);
+    default_signals();
     if (a->n < 4) { errno = EINVAL; die(126, "usage"); }
     const char *cwd = a->s[0], *user = a->s[1];
     int nenv = atoi(a->s[2]);
@@ -1242,6 +1258,7 @@ static int create_init(void *arg) {
     load_seccomp();
     /* Nothing but stdio and the (close-on-exec) status pipe may reach the init. */
     syscall(SYS_close_range, FD_BPF, ~0U, 0);
+    default_signals();
     char *init_argv[] = {"/dev/.init", "-P", NULL};
     char *init_env[] = {"PATH=/bin", NULL};
     execve("/dev/.init", init_argv, init_env);
@@ -2130,6 +2147,7 @@ static int do_filter(int argc, char **argv) {
         errno = EINVAL;
         die(126, "seccomp program of %zd bytes", n);
     }
+    default_signals();
     if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) < 0) die(126, "prctl(PR_SET_NO_NEW_PRIVS)");
     struct sock_fprog fprog = {(unsigned short)(n / sizeof(struct sock_filter)), prog};
     if (prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &fprog, 0, 0) < 0)
