@@ -13,7 +13,6 @@ own PortProxy.
 
 from __future__ import annotations
 
-import gc
 import os
 import socket
 import time
@@ -24,6 +23,7 @@ import pytest
 
 from dsec.cluster.local import LocalCluster
 from dsec.control.proxy import PortProxy
+from tests.gcscan import live_instances
 
 pytestmark = [pytest.mark.root,
               pytest.mark.skipif(os.geteuid() != 0, reason="needs root (CI runs as root)")]
@@ -57,7 +57,7 @@ def cluster() -> Iterator[LocalCluster]:
 
 def _proxy(cluster: LocalCluster) -> PortProxy:
     svc = cluster.runtime.service
-    found = [o for o in gc.get_objects() if isinstance(o, PortProxy) and o.service is svc]
+    found = [o for o in live_instances(PortProxy) if o.service is svc]
     assert len(found) == 1, found
     return found[0]
 

@@ -11,12 +11,11 @@ Below: 400 sandboxes; ``?node=nosuch&limit=1`` must cost at most ~10 list calls.
 
 from __future__ import annotations
 
-import gc
-
 import httpx
 
 from dsec import LocalCluster
 from dsec.control.ui import Dashboard
+from tests.gcscan import live_instances
 
 
 def test_node_filter_page_costs_a_bounded_number_of_list_calls(tmp_path: object) -> None:
@@ -38,9 +37,8 @@ def test_node_filter_page_costs_a_bounded_number_of_list_calls(tmp_path: object)
 
             dash._list = counting
 
-        for o in gc.get_objects():
-            if isinstance(o, Dashboard):
-                wrap(o)
+        for o in live_instances(Dashboard):
+            wrap(o)
         r = httpx.get(f"{cl.url}/ui/sandboxes", params={"node": "nosuch", "limit": "1"},
                       cookies={"dsec_ui": cl.api_key}, timeout=120)
         assert r.status_code == 200, r.text[:300]
