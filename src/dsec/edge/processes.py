@@ -86,7 +86,7 @@ import logging
 import os
 import signal as _signal
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, Literal, Protocol, TypeVar
 
@@ -619,7 +619,13 @@ class ProcessTable(Generic[R]):
         return p
 
     # ------------------------------------------------------------------ operations
-    async def start(self, sid: str, req: ExecRequest) -> ProcessInfo:
+    async def start(self, sid: str, req: ExecRequest, *,
+                    confirm: bool = True) -> ProcessInfo:
+        """``confirm``: wait for the keeper to confirm it holds the process's descriptors
+        before answering (a refusal kills the process and raises). :meth:`run` does not:
+        they are sent before its answer (in flight they are the keeper's already) and a
+        refusal arriving later is said in the process's output, as a keeper lost later
+        is (:meth:`_not_durable`)."""
         node = self.node
         rec = node._find(sid)
         if req.hide:
@@ -688,13 +694,26 @@ class ProcessTable(Generic[R]):
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         try:
-            self._persist(sid, proc, io, req)    # durable before acknowledged
+            confirmed = self._persist(sid, proc, io, req)    # durable before acknowledged
+            if confirmed is not None and confirm:
+                await confirmed()
         except DsecError:
             # not durable: it would die with this edge unseen; end it now, say why
             with contextlib.suppress(Exception):
                 io.signal(_signal.SIGKILL)
             raise
+        if confirmed is not None and not confirm:
+            later = asyncio.ensure_future(self._confirm_later(proc, confirmed))
+            self._tasks.add(later)
+            later.add_done_callback(self._tasks.discard)
         return msgspec.structs.replace(info)
+
+    async def _confirm_later(self, proc: _Process,
+                             confirmed: Callable[[], Awaitable[None]]) -> None:
+        try:
+            await confirmed()
+        except DsecError as exc:
+            self._not_durable(proc, exc)
 
     # ------------------------------------------------------------------ durability
     @property
@@ -703,13 +722,15 @@ class ProcessTable(Generic[R]):
         dir, processes are not durable)."""
         return self._store.spawn if self._store is not None else None
 
-    def _persist(self, sid: str, proc: _Process, io: ProcessIO, req: ExecRequest) -> None:
-        """Journal the entry and hand its descriptors to the keeper (dsec.edge.fdstore).
-        A backend without its own processes (StreamedIO) is not durable."""
+    def _persist(self, sid: str, proc: _Process, io: ProcessIO, req: ExecRequest
+                 ) -> Callable[[], Awaitable[None]] | None:
+        """Journal the entry and send its descriptors to the keeper (dsec.edge.fdstore);
+        returns what awaits the keeper's confirmation (None: nothing to confirm). A
+        backend without its own processes (StreamedIO) is not durable."""
         journal, store = self._journal, self._store
         held = getattr(io, "held_fds", None)
         if journal is None or store is None or held is None:
-            return
+            return None
         host_pid, host_start, ec_dir = io.identity()  # type: ignore[attr-defined]
         info = proc.info
         dp = DurableProcess(
@@ -720,9 +741,10 @@ class ProcessTable(Generic[R]):
             oom_before=proc.oom_before)
         journal.put(dp)
         proc.durable = dp
-        store.put(dp.key, held())
+        confirmed = store.put_async(dp.key, held())
         proc.kept = True
         io.fds_changed = lambda: self._redeposit(proc)  # type: ignore[attr-defined]
+        return confirmed
 
     def _redeposit(self, proc: _Process) -> None:
         """Its descriptors changed (terminal master arrived, stdin closed): the keeper's
@@ -1032,7 +1054,7 @@ class ProcessTable(Generic[R]):
         entry (a quick command, a concurrent start) cannot lose its output or its end;
         output written while the pid travels waits in the ring. Closing this stream ends
         the reader only: the process runs on, in the table, for any client."""
-        info = await self.start(sid, req)
+        info = await self.start(sid, req, confirm=False)
         p = self._tables[sid][info.pid]
         yield info
         async for item in self._follow(sid, info.pid, p):

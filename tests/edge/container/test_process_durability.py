@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import os
 import signal
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -22,12 +23,14 @@ import pytest
 from dsec.bench.faults._edge import EdgeProcess
 from dsec.edge.fdstore import KEEPER_SOCKET, PROCESS_JOURNAL, DurableProcess
 from dsec.edge.service import EdgeClient
+from dsec.errors import BackendError
 from dsec.wire import ops
 from dsec.wire.calls import ExecCall, SandboxRef
 from dsec.wire.process import (
     ProcessInfo,
     ProcessInput,
     ProcessRef,
+    ProcessRunItem,
     ProcessSignal,
     PtyResize,
 )
@@ -508,3 +511,72 @@ async def test_signals_ignored_by_whoever_started_the_edge_reach_no_sandbox_proc
     (keeper,) = _keepers(edge)
     kept = int(_sig_fields(Path(f"/proc/{keeper}/status").read_text())["SigIgn"], 16)
     assert kept & ~((1 << (signal.SIGPIPE - 1)) | (1 << (signal.SIGXFSZ - 1))) == 0, hex(kept)
+
+
+async def test_a_stopped_keeper_holds_no_other_request_and_a_run_says_it_is_not_durable(
+        edge: EdgeProcess) -> None:
+    """The keeper's confirmation of a put is awaited, not polled on the event loop
+    (issue 20: that wait was a third of ``process_run``'s edge time). With the keeper
+    stopped (SIGSTOP): a process_start waits its ack_timeout_s and fails, killing the
+    process it could not make durable, while the same edge answers other requests
+    meanwhile (before: the whole loop was held for those 2 s, per start); a
+    process_run (which does not wait for the confirmation) runs and ends normally, and
+    its output says it would not have survived an edge restart."""
+    await edge.start()
+    async with await edge.client() as c:
+        sid = (await c.create(SPEC)).id
+        warm = await _start(c, sid, "true")
+        await _read(c, sid, warm.pid, until=b"\xff")
+        (keeper,) = _keepers(edge)
+        os.kill(keeper, signal.SIGSTOP)
+        try:
+            started = asyncio.ensure_future(_start(c, sid, "sleep 100"))
+            await asyncio.sleep(0.2)
+            t0 = time.monotonic()
+            r = await c.call(ops.EXEC, ExecCall(id=sid, req=ExecRequest(argv=("true",))))
+            answered_in = time.monotonic() - t0
+            assert r.exit_code == 0 and answered_in < 1.0, answered_in
+            assert not started.done()
+            with pytest.raises(BackendError, match="did not confirm"):
+                await started
+            out = bytearray()
+            end: ExecResult | None = None
+            async for item in c.stream(ops.PROCESS_RUN, ExecCall(id=sid, req=ExecRequest(
+                    shell="echo ran; sleep 2.5; echo done")), timeout=30):
+                if isinstance(item, ProcessRunItem):
+                    out.extend(item.data)
+                elif isinstance(item, ExecResult):
+                    end = item
+            assert end is not None and end.exit_code == 0, (out, end)
+            assert b"ran\n" in out and b"done\n" in out
+            assert b"will not survive an edge restart" in out, out
+        finally:
+            os.kill(keeper, signal.SIGCONT)
+        # nothing the failed start began is left running in the sandbox
+        r = await c.call(ops.EXEC, ExecCall(id=sid, req=ExecRequest(
+            shell="ps -o args | grep -c '^sleep 100' || true")))
+        assert r.stdout.strip() == b"0", r
+
+
+async def test_a_run_is_durable_from_its_first_answer(edge: EdgeProcess) -> None:
+    """process_run answers its pid without waiting for the keeper's confirmation: the
+    descriptors were sent before (in flight they are the keeper's). An edge kill -9 the
+    instant the pid arrives loses nothing: the restarted edge lists the process running
+    and its output continues."""
+    await edge.start()
+    async with await edge.client() as c:
+        sid = (await c.create(SPEC)).id
+        stream = c.stream(ops.PROCESS_RUN, ExecCall(id=sid, req=ExecRequest(shell=COUNT)),
+                          timeout=None)
+        first = await anext(aiter(stream))
+        assert isinstance(first, ProcessRunItem) and first.started is not None, first
+        info = first.started
+        edge.kill9()
+        with contextlib.suppress(Exception):
+            await stream.aclose()
+    await edge.start()
+    async with await edge.client() as c:
+        table = await _list(c, sid)
+        assert table[info.pid].running, table
+        out, res = await _read(c, sid, info.pid, lines=5)
+        assert res is None and len(_numbers(out)) >= 4, out
