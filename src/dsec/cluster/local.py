@@ -59,7 +59,8 @@ def _up_flags(config: dict[str, Any]) -> list[str]:
         flags += ["--cpu-overcommit", repr(oc.cpu), "--memory-overcommit", repr(oc.memory)]
     for key, flag in (("net_uplink", "--net-uplink"), ("net_egress", "--net-egress"),
                       ("net_pool", "--net-pool"), ("net_link", "--net-link"),
-                      ("store", "--store"), ("blob_store", "--blob-store")):
+                      ("store", "--store"), ("blob_store", "--blob-store"),
+                      ("e2b", "--e2b")):
         if config.get(key) is not None:
             flags += [flag, str(config[key])]
     for up in config.get("net_dns_upstream") or ():
@@ -69,7 +70,7 @@ def _up_flags(config: dict[str, Any]) -> list[str]:
     unknown = set(config) - {"tiers", "cpu_milli", "memory_bytes", "disk_bytes", "edge_max_sandboxes",
                              "overcommit", "disk_default_bytes", "disk_pool_bytes",
                              "net_uplink", "net_egress", "net_pool", "net_dns_upstream",
-                             "net_link", "store", "blob_store"}
+                             "net_link", "store", "blob_store", "e2b"}
     if unknown:
         raise InvalidArgument(f"LocalCluster(subprocess=True) cannot pass {sorted(unknown)} "
                               "to `dsec up`; drop them or use subprocess=False")
@@ -95,6 +96,8 @@ class LocalCluster:
         self.url = ""
         self.api_key = ""
         self.gateway: str | None = None
+        #: the E2B-compatible API's URL (``e2b="HOST:PORT"``), else None
+        self.e2b_url: str | None = None
         self._proc: Any = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -132,6 +135,7 @@ class LocalCluster:
         asyncio.run_coroutine_threadsafe(rt.start(), loop).result(self._timeout)
         self.runtime = rt
         self.url, self.api_key, self.gateway = rt.url, rt.admin_key, rt.gateway_address
+        self.e2b_url = rt.e2b_url
 
     def _start_process(self) -> None:
         from dsec.statedir import read_local
@@ -148,6 +152,7 @@ class LocalCluster:
             if local is not None and local.get("pid") == self._proc.pid:
                 self.url, self.api_key = local["url"], local["api_key"]
                 self.gateway = local.get("gateway")
+                self.e2b_url = local.get("e2b")
                 return
             if self._proc.poll() is not None:
                 err = self._proc.stderr.read().decode(errors="replace")[-2000:]
