@@ -419,6 +419,10 @@ class KeptChild:
         return self.returncode
 
 
+async def _confirmed_already() -> None:
+    return None
+
+
 class FdStore:
     """The edge's side of the keeper (``dsec.edge.fdkeeper``): started on first use, or
     found again on its socket after a restart. Calls are synchronous sends on a local
@@ -653,12 +657,16 @@ class FdStore:
         ``process_run`` (the keeper, woken on a 2-core host, is scheduled before the
         edge resumes), and a keeper that stops answering held the whole loop for
         ``ack_timeout_s`` per start."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:                   # no loop here (a tool): confirmed now
+            self.put(key, fds)
+            return _confirmed_already
         self._unqueue_drop(key)
         names = list(fds)
         self._seq += 1
         n = self._seq
         msg: dict[str, object] = {"op": "put", "key": key, "names": names, "ack": n}
-        loop = asyncio.get_running_loop()
         fut: asyncio.Future[dict[str, object] | None] = loop.create_future()
         self._pending[n] = fut
         try:

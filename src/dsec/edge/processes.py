@@ -703,9 +703,7 @@ class ProcessTable(Generic[R]):
                 io.signal(_signal.SIGKILL)
             raise
         if confirmed is not None and not confirm:
-            later = asyncio.ensure_future(self._confirm_later(proc, confirmed))
-            self._tasks.add(later)
-            later.add_done_callback(self._tasks.discard)
+            self._confirm_in_background(proc, confirmed)
         return msgspec.structs.replace(info)
 
     async def _confirm_later(self, proc: _Process,
@@ -755,10 +753,20 @@ class ProcessTable(Generic[R]):
         try:
             if self._journal is not None:
                 self._journal.put(dp)   # stdin_open may have changed
-            self._store.put(dp.key, io.held_fds())  # type: ignore[attr-defined]
+            confirmed = self._store.put_async(dp.key, io.held_fds())  # type: ignore[attr-defined]
             proc.kept = True
         except DsecError as exc:
             self._not_durable(proc, exc)
+            return
+        self._confirm_in_background(proc, confirmed)
+
+    def _confirm_in_background(self, proc: _Process,
+                               confirmed: Callable[[], Awaitable[None]]) -> None:
+        """Await the keeper's confirmation off the caller's path (never by blocking
+        the loop: a stopped keeper would hold every request of the edge)."""
+        task = asyncio.ensure_future(self._confirm_later(proc, confirmed))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     def _not_durable(self, proc: _Process, exc: DsecError) -> None:
         """The keeper does not hold its descriptors (any more): it runs on, but an edge
@@ -779,9 +787,12 @@ class ProcessTable(Generic[R]):
                 if p.durable is not None and p.result is None and p.io is not None:
                     try:
                         assert self._store is not None
-                        self._store.put(p.durable.key, p.io.held_fds())  # type: ignore[attr-defined]
+                        confirmed = self._store.put_async(
+                            p.durable.key, p.io.held_fds())  # type: ignore[attr-defined]
                     except DsecError as exc:
                         self._not_durable(p, exc)
+                        continue
+                    self._confirm_in_background(p, confirmed)
 
     def _forget(self, proc: _Process) -> None:
         """It ended with this edge watching: its end is journaled (a restart lists it
