@@ -32,7 +32,7 @@ from typing import Any
 from dsec.errors import InvalidArgument
 
 __all__ = ["LOCAL_FILE", "check_path_is_ours", "create_private_file", "default_state_dir",
-           "ensure_private_dir", "read_local", "write_private_file"]
+           "ensure_private_dir", "fsync_dir", "read_local", "write_private_file"]
 
 #: What a running ``dsec up`` writes in its state dir for local clients (mode 0600).
 LOCAL_FILE = "local.json"
@@ -120,7 +120,8 @@ def check_path_is_ours(path: str, *, what: str = "state dir") -> None:
         d = os.path.dirname(d)
 
 
-def _fsync_dir(path: str) -> None:
+def fsync_dir(path: str) -> None:
+    """fsync a directory (a rename or a new entry in it made durable); best effort."""
     with contextlib.suppress(OSError):
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
@@ -174,7 +175,7 @@ def create_private_file(path: str, make: Callable[[], bytes]) -> bool:
         if st is None:
             try:
                 os.link(tmp, path)
-                _fsync_dir(os.path.dirname(os.path.abspath(path)))
+                fsync_dir(os.path.dirname(os.path.abspath(path)))
                 return True
             except FileExistsError:
                 try:
@@ -224,4 +225,4 @@ def write_private_file(path: str, data: bytes) -> None:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
-    _fsync_dir(os.path.dirname(os.path.abspath(path)))
+    fsync_dir(os.path.dirname(os.path.abspath(path)))

@@ -50,7 +50,7 @@ from typing import IO, Protocol
 
 import msgspec
 
-from dsec import ownership
+from dsec import ownership, statedir
 from dsec.errors import (
     ImageError,
     ImageNotFound,
@@ -128,7 +128,7 @@ class Pin:
         self.digests: set[str] = set()
 
     def _write_locked(self) -> None:
-        _write_private(self.path, _json_enc.encode(sorted(self.digests)))
+        _write_private(self.path, _json_enc.encode(sorted(self.digests)), durable=False)
 
     def add(self, digest: str) -> None:
         """Pin a layer that exists (``ImageNotFound`` if a prune removed it first)."""
@@ -172,8 +172,17 @@ def may_point_at(namespace: str | None, layer: LayerManifest) -> bool:
     return namespace == owner or namespace.startswith(owner + "/")
 
 
-def _write_private(path: str, data: bytes) -> None:
-    """Write ``path`` atomically (temp file + rename), mode 0600 whatever the umask."""
+def _write_private(path: str, data: bytes, *, durable: bool = True) -> None:
+    """Write ``path`` atomically (temp file + rename), mode 0600 whatever the umask.
+    ``durable``: the file fsynced before the rename and its directory after it, so what
+    a build or pull answered "done" to (its manifest, its name in refs.json, the chunk
+    table a push recorded) survives a power loss too, not only kill -9 - before, a crash
+    could leave an empty refs.json (every name lost) or a manifest without its layer.
+    Measured: ~1-4 ms per write on the dev VM's disk, against a build's seconds. Pins are
+    not durable (a pin names a live process; after a crash it is stale anyway)."""
+    if durable:
+        statedir.write_private_file(path, data)
+        return
     tmp = f"{path}.{secrets.token_hex(4)}.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, _FILE_MODE)
     try:
@@ -184,6 +193,19 @@ def _write_private(path: str, data: bytes) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+
+
+def _publish_layer(src: str, dst: str) -> None:
+    """Move a finished layer file into ``layers/`` durably: its data fsynced before the
+    rename (a renamed-but-empty layer after a power loss would be a corrupt filesystem
+    image with a valid name), the directory after it (before its manifest is written)."""
+    fd = os.open(src, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(src, dst)
+    statedir.fsync_dir(os.path.dirname(dst))
 
 
 class RefTable(Protocol):
@@ -575,7 +597,7 @@ class LayerStore:
             with self._locked():
                 existing = self._load_opt(hx)
                 if existing is None or not os.path.exists(self.layer_path(hx)):
-                    os.replace(tmp, self.layer_path(manifest.digest))
+                    _publish_layer(tmp, self.layer_path(manifest.digest))
                 if existing is None:
                     _write_private(self._manifest_path(hx), _json_enc.encode(manifest))
                 else:
@@ -627,7 +649,7 @@ class LayerStore:
                     self.touch(hx)
                     return existing
                 os.chmod(path, _LAYER_MODE)
-                os.replace(path, self.layer_path(manifest.digest))
+                _publish_layer(path, self.layer_path(manifest.digest))
                 _write_private(self._manifest_path(hx), _json_enc.encode(manifest))
                 if self.budget_bytes is not None:
                     self._prune_locked(budget_bytes=self.budget_bytes,
