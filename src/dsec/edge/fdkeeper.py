@@ -90,11 +90,11 @@ def reset_ignored_signals(keep: tuple[int, ...] = (signal.SIGPIPE, signal.SIGXFS
     child. Stdlib only: the keeper runs isolated (``python -I``)."""
     nr = _SYS_RT_SIGACTION.get(os.uname().machine)
     if nr is None:                 # not a machine we know the number on: what Python can
-        done = []
-        for s in signal.valid_signals():
-            if s not in keep and signal.getsignal(s) == signal.SIG_IGN:
-                signal.signal(s, signal.SIG_DFL)
-                done.append(int(s))
+        done: list[int] = []
+        for sig in signal.valid_signals():
+            if sig not in keep and signal.getsignal(sig) == signal.SIG_IGN:
+                signal.signal(sig, signal.SIG_DFL)
+                done.append(int(sig))
         return done
     libc = ctypes.CDLL(None, use_errno=True)
     done = []
