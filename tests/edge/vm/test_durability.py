@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -161,3 +162,30 @@ async def test_edge_killed_after_the_memory_file_adopts_the_sandbox_paused(
     await b.reconcile({sid})
     await b.resume(sid)
     assert await b.read_file(sid, "/root/mine") == b"1"
+
+
+def test_a_uid_claim_appears_whole_and_a_torn_one_is_freed(bare: VmBackend) -> None:
+    """A claim used to be created empty (O_EXCL) and then written: a kill -9 in between
+    left a file naming nobody, which no backend ever released (a uid slot lost for
+    good). A claim now appears whole (linked from a written temp file); the empty
+    claims an older edge left are freed once a minute old, as are stray temps."""
+    b = bare
+    uid = b._alloc_uid("sb-a")
+    with open(os.path.join(b.uid_dir, str(uid))) as f:
+        assert f.read() == f"{b.key} sb-a\n"
+    assert [n for n in os.listdir(b.uid_dir) if not n.isdigit()] == []   # no temp left
+    torn, fresh_torn = b.uid_base + 50, b.uid_base + 51
+    for n in (torn, fresh_torn):
+        open(os.path.join(b.uid_dir, str(n)), "w").close()
+    stray = os.path.join(b.uid_dir, ".claim-1-deadbeef")
+    with open(stray, "w") as f:
+        f.write(f"{b.key} sb-x\n")
+    old = time.time() - 120
+    for p in (os.path.join(b.uid_dir, str(torn)), stray):
+        os.utime(p, (old, old))
+    b._stale_uid_claims({"sb-a"})
+    left = set(os.listdir(b.uid_dir))
+    assert str(torn) not in left and ".claim-1-deadbeef" not in left
+    assert {str(uid), str(fresh_torn)} <= left       # a fresh empty one may be mid-claim
+    b._release_uid(uid)
+    assert str(uid) not in os.listdir(b.uid_dir)

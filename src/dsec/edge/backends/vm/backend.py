@@ -26,6 +26,7 @@ import errno
 import hashlib
 import logging
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -419,21 +420,30 @@ class VmBackend:
         ``<uid_dir>/<uid>`` (O_EXCL) naming this backend and the sandbox, so two edges
         (``dsec up`` runs several) never hand out the same one."""
         os.makedirs(self.uid_dir, mode=0o700, exist_ok=True)
-        for slot in range(UID_SLOTS):
-            uid = self.uid_base + slot
-            if uid in self._uids:
-                continue
-            try:
-                fd = os.open(os.path.join(self.uid_dir, str(uid)),
-                             os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-            except FileExistsError:
-                continue
-            try:
-                os.write(fd, f"{self.key} {sid}\n".encode())
-            finally:
-                os.close(fd)
-            self._uids.add(uid)
-            return uid
+        # The claim appears whole (written to a private temp file, then hard-linked to
+        # its name: link(2) fails with EEXIST atomically, as O_EXCL does): a claim made
+        # by O_EXCL-create-then-write and cut by a kill -9 in between was an empty file
+        # naming nobody, so no backend ever released it - a uid slot lost for good.
+        tmp = os.path.join(self.uid_dir, f".claim-{os.getpid()}-{secrets.token_hex(4)}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            os.write(fd, f"{self.key} {sid}\n".encode())
+        finally:
+            os.close(fd)
+        try:
+            for slot in range(UID_SLOTS):
+                uid = self.uid_base + slot
+                if uid in self._uids:
+                    continue
+                try:
+                    os.link(tmp, os.path.join(self.uid_dir, str(uid)))
+                except FileExistsError:
+                    continue
+                self._uids.add(uid)
+                return uid
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
         raise CapacityExceeded(f"all {UID_SLOTS} vm uids from {self.uid_base} are claimed "
                                f"in {self.uid_dir}")
 
@@ -501,7 +511,18 @@ class VmBackend:
             try:
                 with open(path, "rb") as f:
                     key, _, sid = f.read(200).decode(errors="replace").strip().partition(" ")
+                age = time.time() - os.stat(path).st_mtime
             except OSError:
+                continue
+            if n.isdigit() and not key and age > 60:
+                # an empty claim: an older dsec's create-then-write cut by a kill -9
+                # (claims appear whole now); it names nobody, so nobody would free it
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+                continue
+            if n.startswith(".claim-") and age > 60:
+                with contextlib.suppress(FileNotFoundError):    # a temp a kill -9 left
+                    os.unlink(path)
                 continue
             if key == self.key and sid not in live and n.isdigit() \
                     and int(n) not in self._uids:
