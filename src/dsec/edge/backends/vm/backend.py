@@ -469,8 +469,14 @@ class VmBackend:
         uid = vm.rec.uid
         path = os.path.join(self.uid_dir, str(uid))
         mine = f"{self.key} {vm.sid}\n".encode()
+        tmp = os.path.join(self.uid_dir, f".claim-{os.getpid()}-{secrets.token_hex(4)}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            os.write(fd, mine)
+        finally:
+            os.close(fd)
+        try:
+            os.link(tmp, path)                # whole or not at all (see _alloc_uid)
         except FileExistsError:
             try:
                 with open(path, "rb") as f:
@@ -494,10 +500,9 @@ class VmBackend:
             raise BackendError(
                 f"sandbox {vm.sid}: its QEMU runs as uid {uid}, which {path} says belongs "
                 f"to {owner[:80]!r}; two VMs must not share a uid, so it is not adopted")
-        try:
-            os.write(fd, mine)
         finally:
-            os.close(fd)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
         self._uids.add(uid)
 
     def _stale_uid_claims(self, live: AbstractSet[str]) -> None:
