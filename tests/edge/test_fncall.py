@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 
@@ -442,3 +443,49 @@ async def test_a_jailed_call_does_not_inherit_the_edges_raised_nofile() -> None:
     finally:
         await b.close()
         resource.setrlimit(resource.RLIMIT_NOFILE, before)
+
+
+async def test_destroying_a_full_work_dir_does_not_stall_the_loop(
+        fn: FncallBackend, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The work dir is the tenant's to fill; its removal ran on the event loop, so a
+    sandbox with many files held every other sandbox's requests for the whole rmtree
+    (on this VM's ext4 a million files take minutes). It runs in a thread now. The
+    removal is made slow here (the real one, then 0.5 s: a tenant's million files
+    without the minutes of making them); the loop must keep ticking meanwhile."""
+    import time
+
+    from dsec.edge.backends import fncall as mod
+
+    def slow(real: Any) -> Any:
+        def wrapped(*a: Any, **kw: Any) -> Any:
+            out = real(*a, **kw)
+            time.sleep(0.5)
+            return out
+        return wrapped
+
+    monkeypatch.setattr(mod, "remove_tree", slow(mod.remove_tree))
+    if fn.disk is not None:          # jailed: the work dir is a subvolume of the pool
+        monkeypatch.setattr(fn.disk, "remove", slow(fn.disk.remove))
+    d = fn.work_dir(SID)
+    loop = asyncio.get_running_loop()
+    gaps: list[float] = []
+    done = False
+
+    async def tick() -> None:
+        last = loop.time()
+        while not done:
+            await asyncio.sleep(0.01)
+            now = loop.time()
+            gaps.append(now - last)
+            last = now
+
+    ticker = asyncio.ensure_future(tick())
+    await asyncio.sleep(0.05)
+    t0 = loop.time()
+    await fn.destroy(SID)
+    took = loop.time() - t0
+    done = True
+    await ticker
+    assert not os.path.exists(d)
+    assert took >= 0.5, took                      # the slow removal did run
+    assert max(gaps) < 0.25, (max(gaps), took)    # and the loop ticked through it

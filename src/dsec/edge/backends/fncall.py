@@ -1069,7 +1069,9 @@ class FncallBackend:
                 async with asyncio.timeout(10):
                     while box.active:  # so the cgroup is empty before we remove it
                         await asyncio.sleep(0.005)
-        self._teardown(sid, box)
+        # In a thread: the work dir is the tenant's to fill (a million files took the
+        # rmtree seconds, and on the loop every other sandbox's requests waited)
+        await asyncio.to_thread(self._teardown, sid, box)
 
     async def pause(self, sid: SandboxId) -> PauseStats:
         self._box(sid)
@@ -1211,12 +1213,12 @@ class FncallBackend:
             if not (os.path.lexists(self.work_dir(sid))
                     or self.governor.exists(self.governor.paths(sid))):
                 return None
-            return self._discard_jailed(sid)
+            return await asyncio.to_thread(self._discard_jailed, sid)
         d = os.path.join(self.root, sid)
         if not os.path.isdir(d):
             return None
         _kill_groups(pgid for cwd, pgid in _stray_workers(d).items())
-        remove_tree(d)
+        await asyncio.to_thread(remove_tree, d)
         return Leftover(sid, "fncall", "work directory")
 
     def _discard_jailed(self, name: str) -> Leftover:
