@@ -79,26 +79,27 @@ class _KernelSigaction(ctypes.Structure):
                 ("restorer", ctypes.c_void_p), ("mask", ctypes.c_ulong)]
 
 
-def reset_ignored_signals(keep: tuple[int, ...] = (signal.SIGPIPE, signal.SIGXFSZ)
-                          ) -> list[int]:
+def reset_ignored_signals(keep: tuple[int, ...] = (signal.SIGPIPE, signal.SIGXFSZ),
+                          first: int = 1) -> list[int]:
     """Put every signal this process ignores (but ``keep``) back to its default, and
     return which: an ignored signal survives fork and execve, so whatever started the
     edge (nohup: SIGHUP; a script's ``&``: SIGINT, SIGQUIT; glibc's posix_spawn: its own
     32 and 33) would reach each process we start. Raw ``rt_sigaction``: glibc's
     ``sigaction()``, hence Python's ``signal``, refuses 32 and 33. Python ignores SIGPIPE
     and SIGXFSZ on purpose (``keep``); :class:`subprocess.Popen` restores them in a
-    child. Stdlib only: the keeper runs isolated (``python -I``)."""
+    child. Stdlib only: the keeper runs isolated (``python -I``). ``first``: leave the
+    signals below it alone (the edge passes 32: see ``ContainerBackend``)."""
     nr = _SYS_RT_SIGACTION.get(os.uname().machine)
     if nr is None:                 # not a machine we know the number on: what Python can
         done: list[int] = []
         for sig in signal.valid_signals():
-            if sig not in keep and signal.getsignal(sig) == signal.SIG_IGN:
+            if sig >= first and sig not in keep and signal.getsignal(sig) == signal.SIG_IGN:
                 signal.signal(sig, signal.SIG_DFL)
                 done.append(int(sig))
         return done
     libc = ctypes.CDLL(None, use_errno=True)
     done = []
-    for s in range(1, 65):
+    for s in range(max(1, first), 65):
         if s in (signal.SIGKILL, signal.SIGSTOP) or s in keep:
             continue
         old = _KernelSigaction()

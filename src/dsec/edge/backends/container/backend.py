@@ -90,6 +90,7 @@ from dsec.edge.backends.container.protocol import (
 from dsec.edge.backends.container.rootfs import build_env, overlay_options
 from dsec.edge.backends.container.snapshot import ContainerSnapshots
 from dsec.edge.backends.container.state import BoxRecord, load_record, save_record
+from dsec.edge.fdkeeper import reset_ignored_signals
 from dsec.edge.governor import (
     DEFAULT_MAX_SANDBOX_PIDS,
     DEFAULT_PIDS_HEADROOM,
@@ -413,6 +414,13 @@ class ContainerBackend:
                 if not os.path.isdir(os.path.join(sb_dir, name)):
                     self.disk.remove(name)
             raise_nofile()  # descriptors are per operation, none per idle sandbox (issue 22)
+            # Real-time signals (32-64) this process inherited ignored (a parent started
+            # by glibc's posix_spawn leaves 32 so) back to the default: runc and runsc are
+            # started through libuv, which resets 1-31 in a child but not these, and runc
+            # passes them on to the sandbox's init and commands (red team 23, A1). Not
+            # 1-31: an operator's nohup (SIGHUP) is this process's to keep; nsexec resets
+            # every signal for the sandboxes it starts itself.
+            reset_ignored_signals(first=32)
             self._boxes: dict[str, Box] = {}
             self._peak_boxes = 0   # the most held at once (stats: the shrinker-map estimate)
             self._sink: DeathSink | None = None
