@@ -450,6 +450,7 @@ class FdStore:
         # answer comes on the main connection and _lost hands it over
         self._pending: dict[int, asyncio.Future[dict[str, object] | None]] = {}
         self._drops: list[str] = []        # keys to stop holding, sent together (drop)
+        self._latest: dict[str, int] = {}  # key -> its latest put_async not yet confirmed
         self._drops_timer: asyncio.TimerHandle | None = None
 
     # ------------------------------------------------------------------ connection
@@ -577,7 +578,13 @@ class FdStore:
         except BackendError as exc:
             log.error("%s; background processes will not survive an edge restart", exc)
 
-    def _send(self, msg: dict[str, object], fds: list[int]) -> socket.socket:
+    def _send(self, msg: dict[str, object], fds: list[int], *,
+              nowait: bool = False) -> socket.socket:
+        """Send ``msg`` (with ``fds``) on the main connection, reconnecting (a new
+        keeper) once if it is gone. ``nowait``: never block - a keeper that stopped
+        reading (SIGSTOP, swapped out) with its queue full refuses the message
+        (BackendError) instead of holding the caller's event loop until it reads again
+        (red team 23, B1: a blocking send of a put held every request of the edge)."""
         data = json.dumps(msg).encode()
         anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())] \
             if fds else []
@@ -588,8 +595,12 @@ class FdStore:
                 del msg["ack"]
                 data = json.dumps(msg).encode()
             try:
-                s.sendmsg([data], anc)
+                s.sendmsg([data], anc, socket.MSG_DONTWAIT if nowait else 0)
                 return s
+            except BlockingIOError as exc:
+                raise BackendError(
+                    f"the descriptor keeper at {self.path} is not reading (its queue is "
+                    "full: stopped or starved?); nothing was handed to it") from exc
             except OSError as exc:
                 self._reset()
                 if attempt:
@@ -670,11 +681,12 @@ class FdStore:
         fut: asyncio.Future[dict[str, object] | None] = loop.create_future()
         self._pending[n] = fut
         try:
-            self._send(msg, [fds[x] for x in names])
+            self._send(msg, [fds[x] for x in names], nowait=True)
             self._watch_main()
         except BaseException:
             self._pending.pop(n, None)
             raise
+        self._latest[key] = n
         if "ack" not in msg:
             self._pending.pop(n, None)
             fut.set_result({"ok": True})       # an older keeper: it never answers a put
@@ -685,6 +697,13 @@ class FdStore:
             except TimeoutError:
                 reply = None
                 self._pending.pop(n, None)
+            if self._latest.get(key, n) != n:
+                # a later put of this key (a re-deposit: a new keeper, a pty master, a
+                # closed stdin) supersedes this one; its own confirmation decides (red
+                # team 23, B2: a keeper replaced mid-confirmation read as "not durable"
+                # although the new keeper held it)
+                return
+            self._latest.pop(key, None)
             self._check_answer(key, reply)
         return confirmed
 
@@ -740,6 +759,7 @@ class FdStore:
         On the loop the drop waits ``DROP_DELAY_S`` for others and they go together; a
         put of the same key meanwhile cancels it. Its process ended: the keeper's copies
         of its pipes keep nothing running, so the delay costs only descriptors."""
+        self._latest.pop(key, None)
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:

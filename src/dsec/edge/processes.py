@@ -693,13 +693,18 @@ class ProcessTable(Generic[R]):
         task = asyncio.ensure_future(self._watch(rec, proc, io, admitted))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        confirmed = None
         try:
             confirmed = self._persist(sid, proc, io, req)    # durable before acknowledged
             if confirmed is not None and confirm:
                 await confirmed()
-        except DsecError:
-            # not durable: it would die with this edge unseen; end it now, say why
+        except BaseException:
+            # not durable: it would die with this edge unseen; end it now, say why. A
+            # cancel while awaiting the keeper (the client gave up) ends it too: never
+            # answered, it is nobody's, and its confirmation would go unchecked (red
+            # team 23, B3)
             with contextlib.suppress(Exception):
+                proc.killed_by_caller = True
                 io.signal(_signal.SIGKILL)
             raise
         if confirmed is not None and not confirm:
@@ -781,18 +786,30 @@ class ProcessTable(Generic[R]):
                   f"{exc}\n".encode(), self.limits.follower_backlog)
 
     def _redeposit_all(self) -> None:
-        """A new keeper (the last one died while this edge lived): hand it everything."""
-        for table in self._tables.values():
-            for p in table.values():
-                if p.durable is not None and p.result is None and p.io is not None:
-                    try:
-                        assert self._store is not None
-                        confirmed = self._store.put_async(
-                            p.durable.key, p.io.held_fds())  # type: ignore[attr-defined]
-                    except DsecError as exc:
-                        self._not_durable(p, exc)
-                        continue
-                    self._confirm_in_background(p, confirmed)
+        """A new keeper (the last one died while this edge lived): hand it everything,
+        one put at a time, each confirmed before the next (a burst of thousands would
+        fill the keeper's queue, and its answers ours, while this loop could not read
+        them: red team 23, B1)."""
+        procs = [p for table in self._tables.values() for p in table.values()
+                 if p.durable is not None and p.result is None and p.io is not None]
+        if not procs:
+            return
+        task = asyncio.ensure_future(self._redeposit_each(procs))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _redeposit_each(self, procs: list[_Process]) -> None:
+        for p in procs:
+            if p.result is not None or p.io is None or p.durable is None \
+                    or self._store is None:
+                continue                 # it ended meanwhile
+            p.kept = True                # a failure below is said in its output
+            try:
+                confirmed = self._store.put_async(
+                    p.durable.key, p.io.held_fds())  # type: ignore[attr-defined]
+                await confirmed()
+            except DsecError as exc:
+                self._not_durable(p, exc)
 
     def _forget(self, proc: _Process) -> None:
         """It ended with this edge watching: its end is journaled (a restart lists it
