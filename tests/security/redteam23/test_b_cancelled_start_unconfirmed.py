@@ -31,6 +31,7 @@ import signal
 import pytest
 
 from dsec.edge.fdstore import FdStore
+from dsec.errors import DsecError
 from dsec.wire import ops
 from dsec.wire.calls import ExecCall, SandboxRef
 from dsec.wire.process import ProcessRef
@@ -76,7 +77,7 @@ async def test_cancelled_start_refused_by_the_keeper_is_not_silent(edge) -> None
         resource.prlimit(keeper, resource.RLIMIT_NOFILE, (held - 1, limits[1]))
         os.kill(keeper, signal.SIGSTOP)
         try:
-            with pytest.raises(Exception):   # the client gives up: CANCEL to the edge
+            with pytest.raises(DsecError):   # the client gives up: CANCEL to the edge
                 await c.call(ops.PROCESS_START, ExecCall(id=sid, req=ExecRequest(
                     shell="echo started; sleep 30")), timeout=0.5)
             await asyncio.sleep(0.5)         # the CANCEL reached the edge (ack_timeout_s 2 s)

@@ -34,7 +34,7 @@ from dsec.edge.fdstore import FdStore
 from dsec.wire import ops
 from dsec.wire.calls import ExecCall
 from dsec.wire.process import ProcessRunItem
-from dsec.wire.spec import ExecResult, ExecRequest
+from dsec.wire.spec import ExecRequest, ExecResult
 from tests.edge.container.test_process_durability import (  # noqa: F401  (fixture)
     SPEC,
     _keepers,
