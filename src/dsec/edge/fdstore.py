@@ -693,7 +693,8 @@ class FdStore:
 
         async def confirmed() -> None:
             try:
-                reply = await asyncio.wait_for(asyncio.shield(fut), self.ack_timeout_s)
+                async with asyncio.timeout(self.ack_timeout_s):
+                    reply = await asyncio.shield(fut)
             except TimeoutError:
                 reply = None
                 self._pending.pop(n, None)

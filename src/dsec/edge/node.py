@@ -2047,7 +2047,7 @@ class EdgeNode:
         store = self._layer_store()
         key: tuple[object, ...] = (frozenset(rec.spec.image for rec in self._live.values()),)
         if store is not None:
-            key += tuple(_mtime_ns(os.path.join(store.root, p))
+            key += tuple(_stamp(os.path.join(store.root, p))
                          for p in ("manifests", "refs.json"))
         cached = self._images_cache
         if cached is not None and cached[0] == key:
@@ -2256,10 +2256,15 @@ def _as_error(exc: BaseException) -> DsecError:
     return DsecError(f"{type(exc).__name__}: {exc}")
 
 
-def _mtime_ns(path: str) -> int:
-    """A file's or directory's mtime in ns (0: absent); a directory's changes with every
-    entry added or removed."""
+def _stamp(path: str) -> tuple[int, int, int]:
+    """What changes when a file is replaced or a directory's entries change: inode,
+    mtime in ns, size ((0, 0, 0): absent). Not the mtime alone: timestamps are taken
+    from the kernel's coarse clock (one tick, 4 ms here), and a name moved within the
+    tick of the previous write left refs.json's mtime as it was - the heartbeat then
+    said "images unchanged" (the suite caught it after the store's write path changed).
+    ``refs.json`` is replaced by rename on every write: a new inode."""
     try:
-        return os.stat(path).st_mtime_ns
+        st = os.stat(path)
     except OSError:
-        return 0
+        return (0, 0, 0)
+    return (st.st_ino, st.st_mtime_ns, st.st_size)
