@@ -39,6 +39,7 @@ from dsec.edge.backends.vm import guest
 from dsec.errors import (
     CannotRun,
     Conflict,
+    ConnectFailed,
     DsecError,
     InvalidArgument,
     NotFound,
@@ -449,7 +450,18 @@ def _boot(d: str, layer: str) -> Guest:
             if proc.poll() is not None:
                 raise AssertionError(f"qemu exited {proc.returncode}")
             await asyncio.sleep(0.01)
-        conn = await connect("unix:" + sock, max_frame=ap.DEFAULT_MAX_FRAME)
+        # QEMU binds the chardev's socket before it listens: the path can exist and
+        # refuse a connect for a moment (CI, under load). The backend connects QMP
+        # first, which answers only once QEMU's set-up is done.
+        give_up = time.monotonic() + 30
+        while True:
+            try:
+                conn = await connect("unix:" + sock, max_frame=ap.DEFAULT_MAX_FRAME)
+                break
+            except ConnectFailed:
+                if time.monotonic() > give_up or proc.poll() is not None:
+                    raise
+                await asyncio.sleep(0.05)
         try:
             deadline = time.monotonic() + 120  # TCG boots take 4-25 s on a loaded 2-core VM
             while True:
