@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import builtins
+import contextlib
 import os
 import threading
 from collections.abc import AsyncIterator, Coroutine, Iterator, Mapping, Sequence
@@ -101,11 +102,29 @@ class _Loop:
         return fut.result()
 
     def stop(self) -> None:
+        """Stop the loop as ``asyncio.run`` ends one: the tasks still pending (a process
+        handle's follower, the close of a stream a generator left) cancelled and
+        awaited, every async generator finalized, then the loop stopped and closed.
+        Before, the loop was closed with them pending: "Task was destroyed but it is
+        pending!" on stderr at exit (seen in CI from `dsec sandbox attach`)."""
         if self.loop.is_running():
+            with contextlib.suppress(Exception):
+                asyncio.run_coroutine_threadsafe(_drain(), self.loop).result(5)
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(timeout=5)
         if not self.loop.is_running():
             self.loop.close()
+
+
+async def _drain() -> None:
+    me = asyncio.current_task()
+    tasks = [t for t in asyncio.all_tasks() if t is not me]
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    await asyncio.get_running_loop().shutdown_asyncgens()
+    tasks = [t for t in asyncio.all_tasks() if t is not me]   # what the finalizers began
+    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 class Client:
