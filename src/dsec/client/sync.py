@@ -109,14 +109,18 @@ class _Loop:
         pending!" on stderr at exit (seen in CI from `dsec sandbox attach`)."""
         if self.loop.is_running():
             with contextlib.suppress(Exception):
-                asyncio.run_coroutine_threadsafe(_drain(), self.loop).result(5)
+                asyncio.run_coroutine_threadsafe(drain_tasks(), self.loop).result(5)
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(timeout=5)
         if not self.loop.is_running():
             self.loop.close()
 
 
-async def _drain() -> None:
+async def drain_tasks() -> None:
+    """On a loop about to be stopped from another thread: cancel and await every other
+    task, finalize the async generators (and await the closes that starts). What
+    ``asyncio.run`` does before closing its loop; every loop-in-a-thread of dsec (this
+    client's, the RL access thread, LocalCluster, the hosts relay) calls it."""
     me = asyncio.current_task()
     tasks = [t for t in asyncio.all_tasks() if t is not me]
     for t in tasks:

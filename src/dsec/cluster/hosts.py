@@ -67,6 +67,7 @@ from dataclasses import dataclass, field
 from typing import Any, Self, TypeVar
 
 from dsec import ownership
+from dsec.client.sync import drain_tasks
 from dsec.cluster import DSEC_ARGV
 from dsec.cluster.edge_process import EdgePaths, EdgeProcess
 from dsec.control.supervisor import RestartPolicy
@@ -377,6 +378,8 @@ class _LoopThread:
 
     def stop(self) -> None:
         if self.loop.is_running():
+            with contextlib.suppress(Exception):
+                asyncio.run_coroutine_threadsafe(drain_tasks(), self.loop).result(5)
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(timeout=10)
         if not self.loop.is_running():

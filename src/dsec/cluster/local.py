@@ -25,6 +25,7 @@ state dir.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -33,6 +34,7 @@ import threading
 import time
 from typing import Any, Self
 
+from dsec.client.sync import drain_tasks
 from dsec.cluster import DSEC_ARGV
 from dsec.errors import InvalidArgument, TransportError
 from dsec.rmtree import remove_tree
@@ -237,6 +239,9 @@ class LocalCluster:
 
     def _stop_loop(self) -> None:
         if self._loop is not None:
+            if self._loop.is_running():
+                with contextlib.suppress(Exception):
+                    asyncio.run_coroutine_threadsafe(drain_tasks(), self._loop).result(5)
             self._loop.call_soon_threadsafe(self._loop.stop)
             if self._thread is not None:
                 self._thread.join(timeout=10)

@@ -21,6 +21,7 @@ trip per tick per node, whatever the number of environments.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import threading
 from collections import Counter
@@ -29,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
 import msgspec
 
+from dsec.client.sync import drain_tasks
 from dsec.errors import (
     DsecError,
     InternalError,
@@ -217,6 +219,9 @@ class LoopThread:
     def close(self) -> None:
         if self.loop.is_closed():
             return
+        if self.loop.is_running():
+            with contextlib.suppress(Exception):
+                asyncio.run_coroutine_threadsafe(drain_tasks(), self.loop).result(5)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(10)
         self.loop.close()
