@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -189,3 +190,32 @@ def test_a_uid_claim_appears_whole_and_a_torn_one_is_freed(bare: VmBackend) -> N
     assert {str(uid), str(fresh_torn)} <= left       # a fresh empty one may be mid-claim
     b._release_uid(uid)
     assert str(uid) not in os.listdir(b.uid_dir)
+
+
+def test_the_stale_claim_sweep_never_frees_a_claim_being_made(
+        bare: VmBackend, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Red team 23b B1: the sweep (a worker thread) freed a claim of ours whose uid was
+    not in ``_uids`` - and a claim being made is linked before its uid is added, so a
+    sweep landing in between freed it: the next VM got the same uid. The sweep here runs
+    exactly in that window (from inside the link); the claim must survive it."""
+    b = bare
+    real_link = os.link
+    sweeps: list[threading.Thread] = []
+
+    def link_then_sweep(src: str, dst: str) -> None:
+        real_link(src, dst)
+        if os.path.basename(dst).isdigit() and not sweeps:
+            t = threading.Thread(target=b._stale_uid_claims, args=(set(),))
+            sweeps.append(t)
+            t.start()
+            t.join(0.3)       # the old code: the sweep ran to its end right here
+
+    monkeypatch.setattr(os, "link", link_then_sweep)
+    uid = b._alloc_uid("sb-new")
+    monkeypatch.setattr(os, "link", real_link)
+    assert sweeps, "the sweep never ran inside the claim's window"
+    sweeps[0].join(5)
+    assert not sweeps[0].is_alive()
+    with open(os.path.join(b.uid_dir, str(uid))) as f:
+        assert f.read() == f"{b.key} sb-new\n"
+    assert b._alloc_uid("sb-other") != uid        # the uid is still held

@@ -365,6 +365,11 @@ class VmBackend:
         self.max_vcpus = max_vcpus or (os.cpu_count() or 1)
         self._vms: dict[str, _Vm] = {}
         self._uids: set[int] = set()
+        # Guards the claim files and ``_uids`` together: ``_stale_uid_claims`` runs in a
+        # worker thread and frees a claim of ours whose uid is not in ``_uids``; without
+        # the lock it could free one between ``_alloc_uid``'s link and its ``add`` (red
+        # team 23b B1: two VMs then ran as one uid).
+        self._uid_lock = threading.Lock()
         self._sink: DeathSink | None = None
         self._erofs_cache = os.path.join(self.root_dir, "layers")
         self.snapshot_workers = snapshot_workers
@@ -431,16 +436,17 @@ class VmBackend:
         finally:
             os.close(fd)
         try:
-            for slot in range(UID_SLOTS):
-                uid = self.uid_base + slot
-                if uid in self._uids:
-                    continue
-                try:
-                    os.link(tmp, os.path.join(self.uid_dir, str(uid)))
-                except FileExistsError:
-                    continue
-                self._uids.add(uid)
-                return uid
+            with self._uid_lock:
+                for slot in range(UID_SLOTS):
+                    uid = self.uid_base + slot
+                    if uid in self._uids:
+                        continue
+                    try:
+                        os.link(tmp, os.path.join(self.uid_dir, str(uid)))
+                    except FileExistsError:
+                        continue
+                    self._uids.add(uid)
+                    return uid
         finally:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
@@ -448,15 +454,16 @@ class VmBackend:
                                f"in {self.uid_dir}")
 
     def _release_uid(self, uid: int) -> None:
-        self._uids.discard(uid)
         path = os.path.join(self.uid_dir, str(uid))
-        try:
-            with open(path, "rb") as f:
-                mine = f.read(200).split(b" ", 1)[0] == self.key.encode()
-            if mine:
-                os.unlink(path)
-        except FileNotFoundError:
-            pass
+        with self._uid_lock:
+            self._uids.discard(uid)
+            try:
+                with open(path, "rb") as f:
+                    mine = f.read(200).split(b" ", 1)[0] == self.key.encode()
+                if mine:
+                    os.unlink(path)
+            except FileNotFoundError:
+                pass
 
     def _reclaim_uid(self, vm: _Vm) -> None:
         """Claim ``vm.rec.uid`` again for an adopted sandbox (blocking). The claims live
@@ -476,19 +483,9 @@ class VmBackend:
         finally:
             os.close(fd)
         try:
-            os.link(tmp, path)                # whole or not at all (see _alloc_uid)
-        except FileExistsError:
-            try:
-                with open(path, "rb") as f:
-                    owner = f.read(200)
-            except FileNotFoundError:
-                owner = b""
-            key, _, osid = owner.decode(errors="replace").strip().partition(" ")
-            other = self._vms.get(osid)
-            if owner == mine or (key == self.key and (
-                    other is None or other is vm or other.rec.uid != uid)):
-                _write_text(path, mine.decode())     # ours, or a stale claim of ours
-                self._uids.add(uid)
+            with self._uid_lock:
+                owner = self._reclaim_locked(vm, uid, path, tmp, mine)
+            if owner is None:
                 return
             if vm.rec.paused:
                 vm.rec.uid = self._alloc_uid(vm.sid)
@@ -503,7 +500,29 @@ class VmBackend:
         finally:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
+
+    def _reclaim_locked(self, vm: _Vm, uid: int, path: str, tmp: str,
+                        mine: bytes) -> bytes | None:
+        """Under ``_uid_lock``: claim ``uid`` for ``vm`` (None), or the claim's content
+        when another backend or another live sandbox of ours holds it."""
+        try:
+            os.link(tmp, path)                # whole or not at all (see _alloc_uid)
+        except FileExistsError:
+            try:
+                with open(path, "rb") as f:
+                    owner = f.read(200)
+            except FileNotFoundError:
+                owner = b""
+            key, _, osid = owner.decode(errors="replace").strip().partition(" ")
+            other = self._vms.get(osid)
+            if owner == mine or (key == self.key and (
+                    other is None or other is vm or other.rec.uid != uid)):
+                _write_text(path, mine.decode())     # ours, or a stale claim of ours
+                self._uids.add(uid)
+                return None
+            return owner
         self._uids.add(uid)
+        return None
 
     def _stale_uid_claims(self, live: AbstractSet[str]) -> None:
         """Remove this backend's uid claims whose sandbox is not in ``live``."""
@@ -512,27 +531,30 @@ class VmBackend:
         except FileNotFoundError:
             return
         for n in names:
-            path = os.path.join(self.uid_dir, n)
-            try:
-                with open(path, "rb") as f:
-                    key, _, sid = f.read(200).decode(errors="replace").strip().partition(" ")
-                age = time.time() - os.stat(path).st_mtime
-            except OSError:
-                continue
-            if n.isdigit() and not key and age > 60:
-                # an empty claim: an older dsec's create-then-write cut by a kill -9
-                # (claims appear whole now); it names nobody, so nobody would free it
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(path)
-                continue
-            if n.startswith(".claim-") and age > 60:
-                with contextlib.suppress(FileNotFoundError):    # a temp a kill -9 left
-                    os.unlink(path)
-                continue
-            if key == self.key and sid not in live and n.isdigit() \
-                    and int(n) not in self._uids:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(path)
+            with self._uid_lock:
+                self._stale_claim(n, live)
+
+    def _stale_claim(self, n: str, live: AbstractSet[str]) -> None:
+        """One entry of ``uid_dir`` (under ``_uid_lock``): removed if stale."""
+        path = os.path.join(self.uid_dir, n)
+        try:
+            with open(path, "rb") as f:
+                key, _, sid = f.read(200).decode(errors="replace").strip().partition(" ")
+            age = time.time() - os.stat(path).st_mtime
+        except OSError:
+            return
+        stale = (
+            # an empty claim: an older dsec's create-then-write cut by a kill -9 (claims
+            # appear whole now); it names nobody, so nobody would free it
+            (n.isdigit() and not key and age > 60)
+            # a temp a kill -9 left
+            or (n.startswith(".claim-") and age > 60)
+            # ours, for a sandbox we no longer have and a uid we do not hold
+            or (key == self.key and sid not in live and n.isdigit()
+                and int(n) not in self._uids))
+        if stale:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
 
     def _save(self, vm: _Vm) -> None:
         tmp = os.path.join(vm.dir, "vm.json.tmp")
