@@ -489,3 +489,58 @@ async def test_destroying_a_full_work_dir_does_not_stall_the_loop(
     assert not os.path.exists(d)
     assert took >= 0.5, took                      # the slow removal did run
     assert max(gaps) < 0.25, (max(gaps), took)    # and the loop ticked through it
+
+
+async def test_a_cancelled_destroy_or_pause_still_reaches_its_final_state(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Red team 23b B3: a destroy whose caller was cancelled (client hung up) during
+    the threaded teardown left the sandbox ``destroying`` for good - every later
+    destroy refused by the state table, its reservation held. The node now runs a
+    begun destroy/pause/resume to its end whatever happens to the caller."""
+    import time
+
+    from dsec.edge.backends import fncall as mod
+
+    real_remove = mod.remove_tree
+
+    def slow_remove(*a: Any, **kw: Any) -> Any:
+        time.sleep(0.4)
+        return real_remove(*a, **kw)
+
+    backend = FncallBackend(pool_size=1, isolate=False)
+    monkeypatch.setattr(mod, "remove_tree", slow_remove)
+    async with make_node(backend) as node:
+        info = await node.create(SandboxSpec(backend="fncall"))
+        real_pause = backend.pause
+
+        async def slow_pause(sid: Any) -> Any:
+            await asyncio.sleep(0.3)
+            return await real_pause(sid)
+
+        monkeypatch.setattr(backend, "pause", slow_pause)
+        t = asyncio.ensure_future(node.pause(info.id))
+        await asyncio.sleep(0.1)
+        t.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await t
+        for _ in range(100):
+            if node.get(info.id).state == "paused":
+                break
+            await asyncio.sleep(0.02)
+        assert node.get(info.id).state == "paused"
+        await node.resume(info.id)                    # not refused as "pausing"
+
+        d = backend.work_dir(info.id)
+        t = asyncio.ensure_future(node.destroy(info.id))
+        await asyncio.sleep(0.1)                       # inside the slow teardown
+        t.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await t
+        for _ in range(100):
+            if node.get(info.id).state == "destroyed":
+                break
+            await asyncio.sleep(0.02)
+        final = node.get(info.id)
+        assert final.state == "destroyed", final
+        assert not os.path.exists(d)
+        assert info.id not in node.pool.held

@@ -190,13 +190,16 @@ async def test_concurrent_operations_exactly_one_wins(clock: FakeClock) -> None:
         again = asyncio.create_task(node.pause(info.id))
         await asyncio.sleep(0)
         assert not again.done()
+        while clock.sleepers == 0:      # the backend's step runs as its own task
+            await asyncio.sleep(0)
         clock.advance(4.0)
         await pause
         assert await again == PauseStats()
         assert node.get(info.id).state == "paused"
         d1 = asyncio.create_task(node.destroy(info.id))
         d2 = asyncio.create_task(node.destroy(info.id))
-        await asyncio.sleep(0)
+        while clock.sleepers == 0:
+            await asyncio.sleep(0)
         clock.advance(1.0)
         res = await asyncio.gather(d1, d2, return_exceptions=True)
         assert sum(isinstance(r, InvalidTransition) for r in res) == 1

@@ -728,6 +728,20 @@ class EdgeNode:
         self._bg.add(t)
         t.add_done_callback(self._bg.discard)
 
+    async def _to_the_end(self, coro: Coroutine[Any, Any, _T]) -> _T:
+        """Run ``coro`` to its end even if the caller is cancelled (a client that hung
+        up, a request's deadline): a state change the backend has begun - destroy,
+        pause, resume, a create's roll-back - reaches its final state and record. A
+        cancel cut the old code anywhere in the backend's step and left the sandbox in
+        ``destroying``/``pausing``/``resuming`` for good, every later call refused by the
+        state table (red team 23b B3: a fncall destroy cancelled during its threaded
+        teardown). The caller still sees its cancel; the work goes on as a task."""
+        t = asyncio.get_running_loop().create_task(coro)
+        self._bg.add(t)
+        t.add_done_callback(self._bg.discard)
+        t.add_done_callback(_consume_result)
+        return await asyncio.shield(t)
+
     # ================================================================ internals
     def _event(self, rec: _Sandbox, frm: SandboxState | None, to: SandboxState, reason: str,
                detail: str) -> None:
@@ -980,7 +994,11 @@ class EdgeNode:
         return self._info(rec)
 
     async def _abort_create(self, rec: _Sandbox, exc: BaseException) -> None:
-        """Roll back a failed create: backend cleanup, reservation, record; final event."""
+        """Roll back a failed create: backend cleanup, reservation, record; final event.
+        Runs to its end if the caller is cancelled again meanwhile."""
+        await self._to_the_end(self._abort_create_now(rec, exc))
+
+    async def _abort_create_now(self, rec: _Sandbox, exc: BaseException) -> None:
         detail = f"{type(exc).__name__}: {exc}"
         if rec.state == "creating":
             self._move(rec, "fail", "create_failed", detail)
@@ -1031,6 +1049,10 @@ class EdgeNode:
                     return self._info(left)
             rec = self._find(sandbox_id)
         self._move(rec, "destroy", reason, detail)
+        return await self._to_the_end(self._destroy_rest(rec, reason, detail))
+
+    async def _destroy_rest(self, rec: _Sandbox, reason: str, detail: str) -> SandboxInfo:
+        """:meth:`_destroy` once the sandbox is ``destroying`` (never cut by a cancel)."""
         lock = rec.snap_lock
         if lock is not None and lock.locked():
             async with lock:
@@ -1277,7 +1299,10 @@ class EdgeNode:
 
     async def _pause(self, rec: _Sandbox, reason: str) -> PauseStats:
         self._move(rec, "pause", reason)
-        rec.busy = asyncio.get_running_loop().create_future()
+        rec.busy = asyncio.get_running_loop().create_future()   # with the move: no gap
+        return await self._to_the_end(self._pause_rest(rec, reason))
+
+    async def _pause_rest(self, rec: _Sandbox, reason: str) -> PauseStats:
         try:
             stats = await rec.backend.pause(SandboxId(rec.id))
         except Exception as exc:
@@ -1329,7 +1354,10 @@ class EdgeNode:
 
     async def _resume_now(self, rec: _Sandbox, reason: str) -> None:
         self._move(rec, "resume", reason)
-        rec.busy = asyncio.get_running_loop().create_future()
+        rec.busy = asyncio.get_running_loop().create_future()   # with the move: no gap
+        await self._to_the_end(self._resume_rest(rec, reason))
+
+    async def _resume_rest(self, rec: _Sandbox, reason: str) -> None:
         try:
             await rec.backend.resume(SandboxId(rec.id))
         except Exception as exc:
@@ -2254,6 +2282,13 @@ def _as_error(exc: BaseException) -> DsecError:
     if isinstance(exc, asyncio.CancelledError):
         raise exc
     return DsecError(f"{type(exc).__name__}: {exc}")
+
+
+def _consume_result(t: asyncio.Task[Any]) -> None:
+    """A task run to its end for a caller that was cancelled: its failure was the
+    caller's to see; logged instead of "exception was never retrieved"."""
+    if not t.cancelled() and (exc := t.exception()) is not None:
+        log.debug("operation finished after its caller left: %r", exc)
 
 
 def _stamp(path: str) -> tuple[int, int, int]:
