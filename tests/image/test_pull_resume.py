@@ -122,3 +122,68 @@ def test_blobs_over_the_quota_room_are_refused_before_any_fetch(tmp_path: Path) 
         assert _parts(store.root) == [] and store.refs() == {}
     finally:
         reg.close()
+
+
+@pytest.mark.parametrize("damage", ["zeros", "short"])
+def test_a_cached_blob_that_lost_its_bytes_is_fetched_again(tmp_path: Path,
+                                                           damage: str) -> None:
+    """Red team 23b B4: a completed blob was renamed into the cache before its bytes
+    were on disk, so a power cut could leave ``<digest>`` of zeros (or short); every
+    retry then took it as complete and failed on it until the cache expired. The data
+    is fsynced before the rename now, and a cached blob that is not its digest is
+    removed and fetched again. Here the cache holds such a blob (as the power cut left
+    it); the pull must fetch it once more and succeed."""
+    from dsec.image.pull import BlobCache, cache_scope
+    from dsec.image.registry import parse_registry_ref
+
+    lay = str(tmp_path / "layout")
+    built = write_image(lay, "1", [tar_entries([Entry("f", data=os.urandom(200_000))])])
+    blob = built["amd64"].layers[0]
+    reg = Registry(lay, REPO)
+    store = LayerStore(str(tmp_path / "store"))
+    try:
+        size = len(reg.blobs[blob])
+        r = parse_registry_ref(f"{reg.host}/{REPO}:1")
+        path = BlobCache(store, cache_scope(None, r, None)).path(blob)
+        with open(path, "wb") as f:
+            f.write(bytes(size) if damage == "zeros" else reg.blobs[blob][: size // 2])
+        res = pull_image(store, f"{reg.host}/{REPO}:1", options=PullOptions(insecure=True))
+        assert len(res.layers) == 1 and reg.sent_by[blob] == size
+        assert len(store.refs()) == 1
+    finally:
+        reg.close()
+
+
+def test_a_fetched_blob_is_on_disk_before_the_cache_calls_it_complete(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The order of the real syscalls: the blob's fsync comes before its rename into
+    the cache, and the cache directory is fsynced after it."""
+    lay = str(tmp_path / "layout")
+    built = write_image(lay, "1", [tar_entries([Entry("f", data=os.urandom(50_000))])])
+    blob = built["amd64"].layers[0]
+    reg = Registry(lay, REPO)
+    store = LayerStore(str(tmp_path / "store"))
+    calls: list[tuple[str, str]] = []
+    real_fsync, real_rename = os.fsync, os.rename
+
+    def fsync(fd: int) -> None:
+        calls.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    def rename(a: str, b: str) -> None:
+        calls.append(("rename", str(b)))
+        real_rename(a, b)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "rename", rename)
+    try:
+        pull_image(store, f"{reg.host}/{REPO}:1", options=PullOptions(insecure=True))
+    finally:
+        reg.close()
+    name = blob[7:]
+    part_sync = calls.index(("fsync", next(p for op, p in calls
+                                           if op == "fsync" and p.endswith(name + ".part"))))
+    done = next(i for i, (op, p) in enumerate(calls) if op == "rename" and p.endswith(name))
+    dir_sync = next(i for i, (op, p) in enumerate(calls)
+                    if op == "fsync" and p == os.path.dirname(calls[done][1]))
+    assert part_sync < done < dir_sync, calls

@@ -458,6 +458,9 @@ class RegistryClient:
                     os.unlink(part)
                 raise CorruptLayer(f"a blob of {self.ref} did not match its digest "
                                    f"{digest}; nothing of it was kept")
+            # durable before the cache renames it complete (red team 23b B4): a power
+            # cut after that rename must not leave a "complete" blob of zeros
+            os.fsync(fd)
         finally:
             os.close(fd)
 

@@ -41,6 +41,7 @@ import fcntl
 import gzip
 import hashlib
 import json
+import logging
 import os
 import shutil
 import threading
@@ -87,6 +88,7 @@ from dsec.image.registry import (
     select_manifest,
 )
 from dsec.image.store import LayerStore, Pin, may_point_at
+from dsec.statedir import fsync_dir
 
 #: ``LayerStore.tag``'s ``admit``: a quota check run under the store's lock.
 Admit = Callable[[Mapping[str, LayerNode], dict[str, str]], None]
@@ -98,6 +100,7 @@ BLOB_LABEL = "oci.blob"
 REF_LABEL = "oci.ref"
 CONFIG_LABEL = "oci.config"
 PLATFORM_LABEL = "oci.platform"
+log = logging.getLogger(__name__)
 _CACHE = "oci-cache"
 #: A cached blob no pull used for this long goes (a failed pull nobody retried).
 CACHE_MAX_AGE_S = 24 * 3600.0
@@ -243,8 +246,31 @@ class BlobCache:
             os.close(fd)
 
     def complete(self, digest: str) -> None:
-        """The verified ``.part`` becomes the cached blob."""
+        """The verified (and fsynced) ``.part`` becomes the cached blob, durably."""
         os.rename(self.part(digest), self.path(digest))
+        fsync_dir(self.blobs)
+
+    def intact(self, digest: str, size: int) -> bool:
+        """Whether the cached blob still is ``digest`` (``size`` bytes); one that is not
+        - a disk that lost writes, a power cut on an older dsec that renamed it before
+        its bytes were on disk, a host user's edit - is removed, so the pull fetches it
+        again instead of failing on it at every retry until the cache expires (red team
+        23b B4). Costs a read of a blob only a retried pull finds in the cache."""
+        path = self.path(digest)
+        try:
+            with open(path, "rb") as f:
+                if os.fstat(f.fileno()).st_size == size:
+                    h = hashlib.sha256()
+                    while chunk := f.read(1 << 20):
+                        h.update(chunk)
+                    if "sha256:" + h.hexdigest() == digest:
+                        return True
+        except FileNotFoundError:
+            return False
+        log.warning("cached blob %s is not what its name says; fetching it again", digest)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        return False
 
     def forget(self, layout: str) -> None:
         """Drop from the cache every blob ``layout`` holds (a pull that succeeded)."""
@@ -328,7 +354,7 @@ def _fetch_blobs(client: RegistryClient, cache: BlobCache, scratch: str,
 
     def one(digest: str, size: int) -> None:
         with cache.fetching(digest) as have:
-            if not have:
+            if not have or not cache.intact(digest, size):
                 part = cache.part(digest)
                 with contextlib.suppress(FileNotFoundError):
                     moved(os.stat(part).st_size)         # already here from a cut pull
