@@ -283,3 +283,34 @@ def test_a_heartbeat_lists_layers_only_when_they_changed(tmp_path: object) -> No
     assert not moved.images_same and "t:latest" not in moved.images
     # and over the wire: the encoded unchanged heartbeat is small
     assert len(msgspec.msgpack.encode(node.heartbeat(images_gen=moved.images_gen))) < 400
+
+
+def test_a_heartbeat_sees_a_layer_file_arrive_and_a_change_within_one_tick(
+        tmp_path: object) -> None:
+    """Red team 23b B2: the images fingerprint keyed on ``manifests/`` and refs.json
+    only, so a layer whose file arrived later (a lazily read layer fetched whole) went
+    unreported; and a stamp is blind to a second change within one tick of the kernel's
+    coarse clock. ``layers/`` is stamped too, and a stamp younger than a second is not
+    trusted (the list is recomputed): here a change is hidden by putting the
+    directory's mtime back, as a same-tick change leaves it."""
+    from tests.edge.conftest import make_node
+
+    root = os.path.join(str(tmp_path), "store")
+    store = LayerStore(root)
+    m = built(store, str(tmp_path), {"f": "x"}, kind="toolkit", name="t")
+    layer = store.layer_path(m)
+    aside = os.path.join(str(tmp_path), "aside.erofs")
+    os.rename(layer, aside)                       # the manifest only: read lazily
+    node = make_node(layer_store=root)
+    lazy = node.heartbeat(images_gen=None)
+    assert m.digest not in lazy.images
+    os.rename(aside, layer)                       # the whole file arrives
+    whole = node.heartbeat(images_gen=lazy.images_gen)
+    assert not whole.images_same and m.digest in whole.images
+    d = os.path.dirname(layer)
+    before = os.stat(d)
+    os.rename(layer, aside)                       # gone again, within "one tick":
+    os.utime(d, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert os.stat(d).st_mtime_ns == before.st_mtime_ns
+    gone = node.heartbeat(images_gen=whole.images_gen)
+    assert not gone.images_same and m.digest not in gone.images

@@ -2074,16 +2074,26 @@ class EdgeNode:
         listdir of 10,000 manifests per heartbeat otherwise)."""
         store = self._layer_store()
         key: tuple[object, ...] = (frozenset(rec.spec.image for rec in self._live.values()),)
+        racy = False
         if store is not None:
-            key += tuple(_stamp(os.path.join(store.root, p))
-                         for p in ("manifests", "refs.json"))
+            stamps = tuple(_stamp(os.path.join(store.root, p))
+                           for p in ("manifests", "layers", "refs.json"))
+            key += stamps
+            # A stamp is the state of a directory or file as of its last change; a
+            # second change within one tick of the kernel's coarse clock leaves it
+            # as it was (same mtime; a directory's size need not move either), so a
+            # list taken between the two would be kept for good (red team 23b B2). As
+            # git does with its index ("racily clean"): a stamp younger than a second
+            # is not trusted - the list is recomputed until its inputs are older.
+            now = time.time_ns()
+            racy = any(now - st[1] < 1_000_000_000 for st in stamps if st[0])
         cached = self._images_cache
         if cached is not None and cached[0] == key:
             return cached[1], cached[2]
         images = self.images()
         gen = int.from_bytes(hashlib.blake2b("\n".join(images).encode(),
                                              digest_size=8).digest()) >> 1
-        self._images_cache = (key, images, gen)
+        self._images_cache = None if racy else (key, images, gen)
         return images, gen
 
     def heartbeat(self, *, include_sandboxes: bool = True,
