@@ -275,3 +275,57 @@ def test_v2_governor_delegates_cpuset_and_io_on_a_fake_cgroupfs(tmp_path: object
         # a plain file is not truncated by the writes, so they overlay in order:
         # "+memory +cpu +pids", then "+cpuset", then "+io"
         assert fh.read() == "+iouset +cpu +pids"
+
+
+# ------------------------------------------------------------------ BE suppression
+def test_be_cpu_cap_leaves_ls_their_share_and_never_drops_below_the_floor() -> None:
+    from dsec.edge.qos import CpuSuppressPolicy, be_cpu_cap
+
+    pol = CpuSuppressPolicy(threshold=0.65, floor_cores=0.02)
+    assert be_cpu_cap(2.0, 0.0, pol) == pytest.approx(1.3)
+    assert be_cpu_cap(2.0, 1.0, pol) == pytest.approx(0.3)
+    assert be_cpu_cap(2.0, 1.9, pol) == 0.02            # LS take it all: the floor
+    with pytest.raises(InvalidArgument):
+        CpuSuppressPolicy(threshold=1.5)
+    with pytest.raises(InvalidArgument):
+        CpuSuppressPolicy(interval_s=0)
+
+
+def test_busy_time_from_proc_stat() -> None:
+    from dsec.edge.qos import read_busy_ns
+
+    text = "cpu  100 5 20 9000 7 1 2 3 50 0\ncpu0 50 2 10 4500 3 0 1 1 25 0\n"
+    # user+nice+system+irq+softirq+steal = 100+5+20+1+2+3 ticks of 10 ms
+    assert read_busy_ns(text, hz=100) == 131 * 10_000_000
+    with pytest.raises(ValueError):
+        read_busy_ns("intr 1 2 3\n")
+
+
+def test_suppressor_follows_ls_use_halves_on_saturation_and_releases() -> None:
+    from dsec.edge.qos import CpuSuppressor, CpuSuppressPolicy
+
+    t, busy, be = [0.0], [0], [0]
+    caps: list[float | None] = []
+    s = CpuSuppressor(cores=2.0, busy_ns=lambda: busy[0], be_ns=lambda: be[0],
+                      set_cap=caps.append, clock=lambda: t[0],
+                      policy=CpuSuppressPolicy(threshold=0.65, floor_cores=0.02))
+
+    def step(ls_cores: float, be_cores: float, dt: float = 1.0) -> float | None:
+        t[0] += dt
+        busy[0] += round((ls_cores + be_cores) * dt * 1e9)
+        be[0] += round(be_cores * dt * 1e9)
+        return s.tick()
+
+    assert s.tick() is None and caps == []               # the first reading: no rate yet
+    assert step(0.3, 0.5) == pytest.approx(1.0)          # 1.3 - 0.3
+    assert step(0.3, 0.5) == pytest.approx(1.0) and len(caps) == 1   # unmoved: no write
+    # LS want more while BE fill the rest: the node is saturated, LS demand is hidden
+    # behind BE - the cap halves each interval instead of trusting the LS reading
+    assert step(1.0, 1.0) == pytest.approx(0.3)          # min(1.3 - 1.0, 1.0 / 2)
+    assert step(1.7, 0.3) == pytest.approx(0.02)         # saturated and LS at 1.7
+    # a lull is not believed at once (the estimate halves per interval)...
+    assert step(0.0, 0.02) == pytest.approx(1.3 - 0.85)  # LS taken as 1.7 / 2
+    assert s.ls_cores == pytest.approx(0.85)
+    assert step(0.0, 0.02) == pytest.approx(1.3 - 0.425)
+    s.release()
+    assert caps[-1] is None and s.cap is None

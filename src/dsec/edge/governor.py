@@ -718,6 +718,17 @@ class Governor:
         else:
             _write(os.path.join(d, "cpu.shares"), "2")
 
+    def set_cpu_quota(self, cg: SandboxCgroup, milli: int) -> None:
+        """Set one sandbox's CPU cap (``milli`` thousandths of a CPU) - the node's BE
+        suppression scales best-effort sandboxes' caps with it
+        (:class:`dsec.edge.qos.CpuSuppressor`). Per sandbox, not on the BE parent: v1
+        refuses (EINVAL) a parent quota below any child's, and every sandbox has one."""
+        quota = max(1000, milli * CFS_PERIOD_US // 1000)
+        if cg.version == 2:
+            _write(os.path.join(cg.dirs["unified"], "cpu.max"), f"{quota} {CFS_PERIOD_US}")
+        else:
+            _write(os.path.join(cg.dirs["cpu"], "cpu.cfs_quota_us"), str(quota))
+
     def create(self, sid: str, limits: Limits) -> SandboxCgroup:
         """mkdir the sandbox's cgroups and apply ``limits``; on failure remove them."""
         cg = self.paths(sid, limits.qos)

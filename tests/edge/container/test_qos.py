@@ -291,3 +291,80 @@ async def test_best_effort_cpu_cgroups_share_one_idle_parent_beside_the_edge(
         if b2 is not None:
             b.governor.remove_base()
     assert not os.path.exists(parent), "the BE cpu parent outlived the backend"
+
+
+@pytest.mark.serial   # it loads both CPUs and reads what the node as a whole used
+async def test_best_effort_yields_the_cpu_when_other_work_needs_it(
+        tmp_path: object, images_dir: str) -> None:
+    """BE suppression (dsec.edge.qos.CpuSuppressor): SCHED_IDLE alone let BE work keep a
+    whole CPU while LS work queued on the other (perf sched trace in dsec.edge.qos), so
+    the node caps BE sandboxes to what other work leaves. Real cgroups, real load: a
+    spinning BE sandbox keeps its own cap while the node is quiet; two host spinners
+    (everything not BE counts as LS) make its cap and its CPU use fall to the floor;
+    once they stop, its cap comes back."""
+
+    from dsec.edge.backends.container import DirectoryImages
+    from tests.edge.container.conftest import _cleanup
+
+    backend = ContainerBackend(root_dir=os.path.join(str(tmp_path), "root"),
+                               images=DirectoryImages(images_dir), be_cpu_threshold="0.65")
+    try:
+        await _suppressed(backend)
+    finally:
+        await _cleanup(backend)
+
+
+async def _suppressed(backend: ContainerBackend) -> None:
+    import subprocess
+    import sys
+
+    gov = backend.governor
+    if gov.version != 1 or not gov.layout.be_cpu:
+        pytest.skip("BE suppression caps through the v1 BE parent's sandboxes")
+    sid = new_sid()
+    await backend.create(sid, msgspec.structs.replace(SPEC, qos="be", cpu_milli=1000))
+    await backend.exec(sid, ExecRequest(shell="while :; do :; done", background=True))
+    quota = os.path.join(backend.box(sid).cg.dirs["cpu"], "cpu.cfs_quota_us")
+
+    async def until(ok: object, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if ok():  # type: ignore[operator]
+                return True
+            await asyncio.sleep(0.05)
+        return False
+
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"])  # noqa: ASYNC220
+            for _ in range(2)]
+    try:
+        assert await until(lambda: int(_read(quota)) <= 10_000, 5.0), _read(quota)
+        await asyncio.sleep(0.3)
+        c0 = (await backend.stats(sid)).cpu_seconds
+        await asyncio.sleep(1.0)
+        used = (await backend.stats(sid)).cpu_seconds - c0
+        assert used < 0.15, used          # was ~1 core of the two before the cap
+    finally:
+        for h in hogs:
+            h.kill()
+            h.wait()
+    # the node is quiet again: the estimate halves each quarter second, the cap follows
+    assert await until(lambda: int(_read(quota)) >= 50_000, 5.0), _read(quota)
+
+
+async def test_be_suppression_is_opt_in_and_refuses_a_bad_threshold(
+        tmp_path: object, images_dir: str) -> None:
+    from dsec.edge.backends.container import DirectoryImages
+    from dsec.errors import InvalidArgument
+
+    for i, off in enumerate(("0", None)):
+        b = ContainerBackend(root_dir=os.path.join(str(tmp_path), f"off{i}"),
+                             images=DirectoryImages(images_dir), be_cpu_threshold=off)
+        try:
+            assert b._suppress is None
+        finally:
+            await b.close()
+    for bad, says in (("lots", "is not a number"), ("1.5", r"must be in \(0, 1\]")):
+        with pytest.raises(InvalidArgument, match=says):
+            ContainerBackend(root_dir=os.path.join(str(tmp_path), "bad"),
+                             images=DirectoryImages(images_dir), be_cpu_threshold=bad)
+        assert not os.path.exists(os.path.join(str(tmp_path), "bad"))   # nothing made

@@ -105,6 +105,8 @@ from dsec.edge.governor import (
 )
 from dsec.edge.notices import NoticeLimiter
 from dsec.edge.qos import (
+    CpuSuppressor,
+    CpuSuppressPolicy,
     memory_held,
     mount_source,
     parse_class_cpus,
@@ -112,6 +114,7 @@ from dsec.edge.qos import (
     parse_cpulist,
     qos_policy_text,
     qos_process,
+    read_busy_ns,
 )
 from dsec.edge.usage import net_bytes
 from dsec.errors import (
@@ -203,6 +206,13 @@ def network_refusal(mode: str, *, runtime: str, router: bool) -> str | None:
                 "'none' (loopback only)")
     return None
 
+
+def _busy_ns() -> int:
+    """The node's non-idle CPU time so far (``/proc/stat``), ns."""
+    with open("/proc/stat") as f:
+        return read_busy_ns(f.read(256), os.sysconf("SC_CLK_TCK"))
+
+
 class ContainerBackend:
     """Sandboxes as Linux containers. See the module docstring and docs/container.md."""
 
@@ -239,6 +249,7 @@ class ContainerBackend:
                  shared_scratch: bool | str = True,
                  lazy_devpts: bool | str = False,
                  helper_idle_s: float | None = 60.0,
+                 be_cpu_threshold: float | str | None = None,
                  clock: Callable[[], float] = time.time) -> None:
         """``max_sandbox_pids``: the most tasks one sandbox may have; a spec asking for more
         is refused, ``pids_max=None`` ("no cap") gets this. ``pids_headroom``: pids kept
@@ -303,8 +314,26 @@ class ContainerBackend:
         ``helper_idle_s``: an exec helper unused this long is stopped (checked by the
         limits timer, so within ``limits_poll_s`` more); the sandbox's next exec starts a
         new one. None: helpers stay while their sandbox lives.
+        ``be_cpu_threshold``: BE suppression (:class:`dsec.edge.qos.CpuSuppressor`):
+        best-effort sandboxes together get at most this share of the node's CPUs less
+        what everything else used in the last quarter second, so LS work finds idle
+        CPUs (v1 with the BE parent; the trace behind it is in :mod:`dsec.edge.qos`).
+        None or 0 (default): off - BE takes every cycle SCHED_IDLE gives it. Opt-in
+        (e.g. 0.65, Koordinator's default) because it costs BE a third of an idle node
+        and its gain shows in sustained LS load (median exec step back to unloaded), not
+        beyond noise in the qos bench's p99 (docs/container.md "BE suppression").
         ``runsc_binary``, ``gvisor_platform``: gVisor's runsc and its platform for
         ``runtime="runsc"`` (None: probed once per node, see :mod:`.runsc`)."""
+        if isinstance(be_cpu_threshold, str):   # (refused before anything is made)
+            try:
+                be_cpu_threshold = float(be_cpu_threshold)
+            except ValueError:
+                raise InvalidArgument(
+                    f"be_cpu_threshold {be_cpu_threshold!r} is not a number (a share of "
+                    "the node's CPUs, e.g. 0.65; 0 turns BE suppression off)",
+                    field="be_cpu_threshold") from None
+        if be_cpu_threshold:
+            CpuSuppressPolicy(threshold=be_cpu_threshold)   # refuses one outside (0, 1]
         if runtime not in RUNTIME_NAMES:
             raise InvalidArgument(f"container runtime {runtime!r} is unknown; use 'native', "
                                   "'runc' or 'runsc'", field="runtime")
@@ -393,6 +422,14 @@ class ContainerBackend:
                                                                   "off")
             #: devpts mounted by the first pty exec, not at create (native driver)
             self.lazy_devpts = bool(lazy_devpts) and runtime == "native"
+            #: BE suppression (None: off, or no BE parent to cap on this host)
+            self._suppress = CpuSuppressor(
+                cores=float(len(os.sched_getaffinity(0))), busy_ns=_busy_ns,
+                be_ns=self._be_cpu_ns, set_cap=self._set_be_cap, clock=time.monotonic,
+                policy=CpuSuppressPolicy(threshold=be_cpu_threshold)) \
+                if be_cpu_threshold and self.governor.layout.be_cpu else None
+            self._suppress_timer: asyncio.TimerHandle | None = None
+            self._be_quota: dict[str, int] = {}     # BE caps written (milli), by sandbox
             self._notices = NoticeLimiter(notice_interval_s)
             # Denied packets (plan-14 §4.7): the slots' counters are read every
             # ``denied_poll_s`` (one netlink dump, 0.28 ms for 1,000 slots), a
@@ -827,8 +864,65 @@ class ContainerBackend:
             self._poll = loop.call_later(self.limits_poll_s, self._poll_limits)
         if self._dpoll is None and self.network is not None and self.denied_poll_s:
             self._dpoll = loop.call_later(self.denied_poll_s, self._poll_denied_tick)
+        if qos_of(box.spec) == "be":
+            self._suppress_start()
 
     _POLL_SLICE = 256  # sandboxes checked per timer tick (~8 us each): no long loop stall
+
+    # -- BE suppression -----------------------------------------------------------------
+    def _be_boxes(self) -> list[Box]:
+        return [b for b in self._boxes.values() if qos_of(b.spec) == "be" and not b.dying]
+
+    def _be_cpu_ns(self) -> int:
+        """CPU time of the live BE sandboxes, ns (one cpuacct read each: ~8 us; at 1,000
+        BE sandboxes 8 ms per quarter second, 3 % of a core - a BE parent in the cpuacct
+        hierarchy would make it one read, not done)."""
+        total = 0
+        for b in self._be_boxes():
+            total += round(self.governor.stats(b.cg)[2] * 1e9)
+        return total
+
+    def _set_be_cap(self, cores: float | None) -> None:
+        """Share ``cores`` among the live BE sandboxes in proportion to their own caps
+        (``None``: each back to its own cap). Written per sandbox (v1 refuses a BE
+        parent quota below a child's), only where the value moved."""
+        boxes = self._be_boxes()
+        own = {b.sid: b.spec.cpu_quota_milli or b.spec.cpu_milli for b in boxes}
+        total = sum(own.values())
+        f = 1.0 if cores is None or total <= 0 else min(1.0, cores * 1000 / total)
+        for b in boxes:
+            milli = max(1, round(own[b.sid] * f))
+            if self._be_quota.get(b.sid) == milli:
+                continue
+            try:
+                self.governor.set_cpu_quota(b.cg, milli)
+                self._be_quota[b.sid] = milli
+            except OSError as exc:   # gone meanwhile; the next tick sees the rest
+                log.debug("BE suppression: %s: %s", b.sid, exc)
+        for sid in [s for s in self._be_quota if s not in own]:
+            del self._be_quota[sid]
+
+    def _suppress_tick(self) -> None:
+        """Every ``interval_s`` while BE sandboxes live: re-cap them (see __init__)."""
+        self._suppress_timer = None
+        sup = self._suppress
+        if sup is None:
+            return
+        if not self._be_boxes():
+            sup.release()
+            return
+        try:
+            sup.tick()
+            self._set_be_cap(sup.cap)   # a BE sandbox new since the last change too
+        except (OSError, ValueError) as exc:
+            log.warning("BE suppression tick failed: %s", exc)
+        self._suppress_timer = asyncio.get_running_loop().call_later(
+            sup.policy.interval_s, self._suppress_tick)
+
+    def _suppress_start(self) -> None:
+        if self._suppress is not None and self._suppress_timer is None:
+            self._suppress_timer = asyncio.get_running_loop().call_later(
+                0, self._suppress_tick)
 
     def _poll_limits(self) -> None:
         """Every ``limits_poll_s``: limit counters of every sandbox (v1 pids.events has no
@@ -1514,6 +1608,11 @@ class ContainerBackend:
         if self._dpoll is not None:
             self._dpoll.cancel()
             self._dpoll = None
+        if self._suppress_timer is not None:
+            self._suppress_timer.cancel()
+            self._suppress_timer = None
+        if self._suppress is not None:
+            self._suppress.release()      # a later backend measures afresh
         for task in list(self._removers):  # reconcile at the next start takes over
             task.cancel()
         if self._removers:
