@@ -544,3 +544,28 @@ async def test_a_cancelled_destroy_or_pause_still_reaches_its_final_state(
         assert final.state == "destroyed", final
         assert not os.path.exists(d)
         assert info.id not in node.pool.held
+
+
+@pytest.mark.parametrize("isolate", [pytest.param(True, id="jailed", marks=needs_root),
+                                     pytest.param(False, id="unjailed")])
+async def test_a_call_inherits_no_blocked_signal_from_the_edge(isolate: bool) -> None:
+    """A blocked signal mask survives fork and execve (``subprocess`` leaves it as it
+    is): an edge started by a supervisor with SIGTERM and SIGINT blocked handed that
+    mask to the zygote and so to every call - a call that cannot be stopped politely.
+    The zygote clears it (the container path's nsexec already did)."""
+    blocked = {signal.SIGTERM, signal.SIGINT, signal.SIGUSR1}
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, blocked)
+    try:
+        b = FncallBackend(pool_size=1, isolate=isolate)
+        await b.create(SID, SandboxSpec(backend="fncall"))  # type: ignore[arg-type]
+        await b.pool.wait_ready()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+    try:
+        r = await b.exec(SID, ExecRequest(shell=(
+            "[ln.split()[1] for ln in open('/proc/self/status') "
+            "if ln.startswith('SigBlk')][0]")))
+        assert r.exit_code == 0, r
+        assert r.stdout.strip() == b"'" + b"0" * 16 + b"'", r.stdout
+    finally:
+        await b.close()

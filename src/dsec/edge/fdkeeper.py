@@ -464,6 +464,7 @@ def main(argv: list[str]) -> int:
               file=sys.stderr)
     os.set_inheritable(listen_fd, False)
     reset_ignored_signals()       # what it spawns (the exec helper) inherits them
+    signal.pthread_sigmask(signal.SIG_SETMASK, ())   # ... and a blocked mask too
     # it may hold three descriptors per background process of the node
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft < hard:

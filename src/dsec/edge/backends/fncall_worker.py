@@ -141,6 +141,9 @@ def zygote(fd: int) -> None:
             ctl.sendall(b"E" + f"{type(exc).__name__}: {exc}".encode()[:4000])
             os._exit(1)
     reset_ignored_signals()   # what started the edge ignored is not the calls' to inherit
+    # nor what it blocked: a blocked mask survives fork and execve too (Popen leaves it),
+    # and a call with SIGTERM/SIGINT blocked ignores a timeout's polite stop
+    signal.pthread_sigmask(signal.SIG_SETMASK, ())
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps the forked workers
     # Everything imported so far goes to the permanent generation: a collection in a
     # worker then never walks (and copy-on-write-faults) the zygote's heap.
