@@ -34,6 +34,6 @@ async def test_a_second_teardown_does_not_free_another_vms_uid(
     uid_b = b._alloc_uid("sb-b")          # a create meanwhile: gets the freed uid
     assert uid_b == a.rec.uid
     await b._teardown(a)                  # the overlapping destroy's teardown ends
-    with open(os.path.join(b.uid_dir, str(uid_b))) as f:
+    with open(os.path.join(b.uid_dir, str(uid_b))) as f:  # noqa: ASYNC230
         assert f.read() == f"{b.key} sb-b\n", "sb-b's claim was freed by sb-a's teardown"
     assert b._alloc_uid("sb-c") != uid_b, "two VMs hold one uid"
