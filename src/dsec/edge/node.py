@@ -285,6 +285,7 @@ class _Sandbox:
         "cut",
         "deadline",
         "doomed",
+        "ending",
         "events",
         "execs",
         "expires_at",
@@ -318,6 +319,9 @@ class _Sandbox:
         self.execs = 0           # of which commands (see NodeConfig.max_execs_per_sandbox)
         self.deadline: float | None = None  # earliest TTL/idle deadline queued
         self.doomed: tuple[str, str] | None = None  # died (reason, detail) while creating
+        # the roll-back of a failed create, while it runs: it owns the record (a destroy
+        # waits for it instead of tearing down the same sandbox beside it)
+        self.ending: asyncio.Task[None] | None = None
         # The lifetime (issue 19): a running clock (expires_at, unix seconds) or, while
         # paused, a stopped one (ttl_left seconds); both None: no TTL. set_timeout moves it.
         self.expires_at: float | None = None if spec.ttl_s is None else now + spec.ttl_s
@@ -995,8 +999,11 @@ class EdgeNode:
 
     async def _abort_create(self, rec: _Sandbox, exc: BaseException) -> None:
         """Roll back a failed create: backend cleanup, reservation, record; final event.
-        Runs to its end if the caller is cancelled again meanwhile."""
-        await self._to_the_end(self._abort_create_now(rec, exc))
+        Runs to its end if the caller is cancelled again meanwhile; one roll-back per
+        record (a second call waits for the first)."""
+        if rec.ending is None:
+            rec.ending = asyncio.ensure_future(self._to_the_end(self._abort_create_now(rec, exc)))
+        await asyncio.shield(rec.ending)
 
     async def _abort_create_now(self, rec: _Sandbox, exc: BaseException) -> None:
         detail = f"{type(exc).__name__}: {exc}"
@@ -1042,6 +1049,13 @@ class EdgeNode:
             raise InvalidArgument(f"destroy reason {reason!r} is not one of "
                                   f"{', '.join(sorted(FINAL_REASONS))}", field="reason")
         rec = self._live.get(sandbox_id)
+        if rec is not None and rec.ending is not None:
+            # its create is being rolled back: that roll-back ends it (a second teardown
+            # beside it raced it to the record - red team 24 A1); then answered as any
+            # destroy of an ended sandbox is
+            with contextlib.suppress(Exception):
+                await asyncio.shield(rec.ending)
+            rec = self._live.get(sandbox_id)
         if rec is None:
             if sandbox_id not in self._dead:
                 left = await self._discard(sandbox_id, reason, detail)
@@ -1066,7 +1080,7 @@ class EdgeNode:
             raise self._backend_error(rec, "destroy", exc) from exc
         self._move(rec, "destroyed", reason, detail)
         self.pool.release(rec.id)
-        del self._live[rec.id]
+        self._live.pop(rec.id, None)
         self._tomb(rec)
         if self.journal is not None:
             self.journal.end(rec)

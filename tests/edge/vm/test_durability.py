@@ -188,7 +188,7 @@ def test_a_uid_claim_appears_whole_and_a_torn_one_is_freed(bare: VmBackend) -> N
     left = set(os.listdir(b.uid_dir))
     assert str(torn) not in left and ".claim-1-deadbeef" not in left
     assert {str(uid), str(fresh_torn)} <= left       # a fresh empty one may be mid-claim
-    b._release_uid(uid)
+    b._release_uid(uid, "sb-a")
     assert str(uid) not in os.listdir(b.uid_dir)
 
 

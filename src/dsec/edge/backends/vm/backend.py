@@ -453,17 +453,24 @@ class VmBackend:
         raise CapacityExceeded(f"all {UID_SLOTS} vm uids from {self.uid_base} are claimed "
                                f"in {self.uid_dir}")
 
-    def _release_uid(self, uid: int) -> None:
+    def _release_uid(self, uid: int, sid: str) -> None:
+        """Free ``uid`` if its claim names ``sid`` (this backend's key *and* the
+        sandbox): a second teardown of one VM (two overlapping destroys) came after
+        another VM got the uid, and releasing by key alone freed that VM's claim - the
+        next VM then ran as the same uid (red team 24 D1)."""
         path = os.path.join(self.uid_dir, str(uid))
         with self._uid_lock:
-            self._uids.discard(uid)
             try:
                 with open(path, "rb") as f:
-                    mine = f.read(200).split(b" ", 1)[0] == self.key.encode()
-                if mine:
-                    os.unlink(path)
+                    owner = f.read(200)
             except FileNotFoundError:
-                pass
+                owner = b""
+            if owner and owner != f"{self.key} {sid}\n".encode():
+                return                  # another sandbox's (or another backend's) now
+            self._uids.discard(uid)
+            with contextlib.suppress(FileNotFoundError):
+                if owner:
+                    os.unlink(path)
 
     def _reclaim_uid(self, vm: _Vm) -> None:
         """Claim ``vm.rec.uid`` again for an adopted sandbox (blocking). The claims live
@@ -1192,7 +1199,7 @@ class VmBackend:
         if vm.layers is not None:
             self.images.release(vm.layers)
             vm.layers = None
-        self._release_uid(vm.rec.uid)
+        self._release_uid(vm.rec.uid, vm.sid)
         self._vms.pop(vm.sid, None)
 
     async def destroy(self, sid: SandboxId) -> None:
