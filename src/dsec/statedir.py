@@ -32,7 +32,7 @@ from typing import Any
 from dsec.errors import InvalidArgument
 
 __all__ = ["LOCAL_FILE", "check_path_is_ours", "create_private_file", "default_state_dir",
-           "ensure_private_dir", "fsync_dir", "read_local", "write_private_file"]
+           "ensure_private_dir", "fsync_dir", "fsync_file", "read_local", "write_private_file"]
 
 #: What a running ``dsec up`` writes in its state dir for local clients (mode 0600).
 LOCAL_FILE = "local.json"
@@ -128,6 +128,17 @@ def fsync_dir(path: str) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+def fsync_file(path: str) -> None:
+    """fsync the file at ``path``: one another process wrote (a compiler, a mkfs) or that
+    was written through a descriptor already closed, before it is renamed to the name
+    the next start trusts as complete."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _staged(path: str, data: bytes) -> str:

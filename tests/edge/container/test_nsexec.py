@@ -24,9 +24,11 @@ from dsec.edge.backends.container.protocol import (
     request_argv,
 )
 from dsec.edge.backends.container.rootfs import MASKED_DIRS, MASKED_FILES, READONLY_PATHS
+from dsec.edge.backends.container.runsc import write_helpers
 from dsec.errors import BackendError, InvalidArgument
 from dsec.wire.spec import ExecRequest
 from tests.edge.container.conftest import SPEC, new_sid
+from tests.syscall_order import assert_durable, record_syscalls
 
 EXEC = Exec(id=7, argv=["sh", "-c", "echo hi"], env=["A=1"], cwd=None, user="agent",
             cgroup_procs=["/cg/a/cgroup.procs", "/cg/b/cgroup.procs"], nested=True,
@@ -105,6 +107,31 @@ def test_build_is_cached_and_refuses_shared_dirs(tmp_path: object) -> None:
     os.chmod(shared, 0o777)
     with pytest.raises(BackendError, match="not group/world-writable"):
         ensure_nsexec(shared)
+
+
+def test_a_built_helper_is_on_disk_before_it_is_named(
+        tmp_path: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The next start trusts any file of the helper's name: the compiler's output is
+    fsynced before the rename, the cache directory after it."""
+    d = os.path.join(str(tmp_path), "bin")
+    calls = record_syscalls(monkeypatch)
+    assert_durable(calls, ensure_nsexec(d))
+
+
+def test_the_gvisor_helper_dir_is_on_disk_before_it_is_named(
+        tmp_path: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    """write_helpers' directory is trusted whole by its name: each file in it and the
+    directory itself are fsynced before the rename, the parent after it."""
+    src = os.path.join(str(tmp_path), "src")
+    os.mkdir(src)
+    for n in ("busybox", "nsexec"):
+        with open(os.path.join(src, n), "wb") as f:
+            f.write(os.urandom(4096))
+    calls = record_syscalls(monkeypatch)
+    path = write_helpers(os.path.join(str(tmp_path), "helpers"),
+                         busybox=os.path.join(src, "busybox"),
+                         nsexec=os.path.join(src, "nsexec"), seccomp=b"bpf")
+    assert_durable(calls, path, inside=("busybox", "nsexec", "seccomp"))
 
 
 def _open_fds() -> set[str]:

@@ -26,6 +26,7 @@ from dsec.edge.backends.vm.density import DensityOptions, prepare_pmem_layer
 from dsec.errors import BackendError, CapacityExceeded
 from dsec.ids import SandboxId
 from dsec.wire.spec import SandboxSpec
+from tests.syscall_order import assert_durable, record_syscalls
 
 pytestmark = [pytest.mark.root,
               pytest.mark.skipif(os.geteuid() != 0, reason="needs root (cgroups)")]
@@ -95,6 +96,36 @@ async def test_pmem_gc_keeps_copies_live_vms_use(bare: VmBackend, tmp_path: Any)
         b._vms.clear()
     await b.reconcile(set())
     assert os.listdir(pmem) == []
+
+
+def test_a_paused_record_is_on_disk_before_it_is_named(
+        bare: VmBackend, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A paused sandbox outlives a power loss (mem.bin is fsynced) and adopt drops one
+    whose vm.json does not decode: a paused record is fsynced before its rename, the
+    sandbox's directory after it."""
+    vm = _vm(bare, "sb-p", uid=bare.uid_base, paused=True, memory_mib=128)
+    calls = record_syscalls(monkeypatch)
+    bare._save(vm)
+    assert_durable(calls, os.path.join(vm.dir, "vm.json"))
+    with open(os.path.join(vm.dir, "vm.json"), "rb") as f:
+        assert msgspec.json.decode(f.read(), type=_Record).paused
+
+
+def test_packed_and_padded_layers_are_on_disk_before_they_are_named(
+        bare: VmBackend, tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The EROFS file packed from an image directory and the padded pmem copy of a layer
+    are reused by name (and size) alone: each is fsynced before its rename, its cache
+    directory after it."""
+    src = os.path.join(str(tmp_path), "tree")
+    os.makedirs(src)
+    with open(os.path.join(src, "f"), "wb") as f:
+        f.write(os.urandom(10_000))
+    layer = os.path.join(str(tmp_path), "l.erofs")
+    with open(layer, "wb") as f:
+        f.write(os.urandom(3 << 20))                       # not 2 MiB aligned: copied
+    calls = record_syscalls(monkeypatch)
+    assert_durable(calls, bare._pack_dir(src))
+    assert_durable(calls, prepare_pmem_layer(layer, os.path.join(bare.root_dir, "pmem")).path)
 
 
 def test_scratch_is_reserved_and_a_disk_beyond_the_filesystem_is_refused(

@@ -47,6 +47,7 @@ from dsec.errors import (
     ResourceExhausted,
     UnknownMethod,
 )
+from tests.syscall_order import assert_durable, record_syscalls
 
 _enc = msgspec.msgpack.encode
 
@@ -142,6 +143,24 @@ def agent_bin(tmp_path_factory: pytest.TempPathFactory) -> str:
     d = str(tmp_path_factory.mktemp("agentcache"))
     os.chmod(d, 0o700)
     return guest.ensure_agent(d)
+
+
+def test_the_agent_and_initramfs_are_on_disk_before_they_are_named(
+        tmp_path: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both are trusted by their names alone from then on (an empty agent after a power
+    loss would be every guest's PID 1): each is fsynced before its rename, the cache
+    directory after it."""
+    if shutil.which("cc") is None and shutil.which("gcc") is None:
+        pytest.skip("no C compiler")
+    d = os.path.join(str(tmp_path), "cache")
+    os.makedirs(d, mode=0o700)
+    mods = os.path.join(str(tmp_path), "modules")
+    os.mkdir(mods)
+    calls = record_syscalls(monkeypatch)
+    agent = guest.ensure_agent(d)
+    assert_durable(calls, agent)
+    initrd = guest.ensure_initramfs(guest.GuestKernel("test", "/none", mods), d, modules=())
+    assert_durable(calls, initrd)
 
 
 def _spawn(agent: str, root: str) -> tuple[socket.socket, subprocess.Popen[bytes]]:

@@ -22,6 +22,7 @@ import pytest
 from dsec.cluster.local import LocalCluster
 from dsec.errors import PermissionDenied, TransportError, Unauthenticated
 from dsec.rl.worker import TrainerClient, WorkerHandle, WorkerTask, start_worker, workers
+from tests.syscall_order import assert_durable, record_syscalls
 
 N_TASKS = 48
 
@@ -128,6 +129,23 @@ def _worker_sandboxes(cl: LocalCluster, worker_id: str) -> list[Any]:
     with cl.client() as c:
         return [s for s in c.sandboxes.list(labels={"rl-worker": worker_id})
                 if s.info.state not in ("destroyed", "destroying")]
+
+
+def test_the_workers_config_is_on_disk_before_it_is_named(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The restart after a crash reads config.json (its worker id, its key): it is
+    fsynced before its rename, the state directory after it. (The worker itself is not
+    started here: the spawn is refused once the config is written.)"""
+    def no_spawn(*_: Any, **__: Any) -> Any:
+        raise OSError("not started in this test")
+
+    monkeypatch.setattr(subprocess, "Popen", no_spawn)
+    calls = record_syscalls(monkeypatch)
+    d = str(tmp_path / "w")
+    with pytest.raises(OSError, match="not started"):
+        start_worker(d, url="http://127.0.0.1:1", api_key="k", project="p")
+    assert_durable(calls, os.path.join(d, "config.json"))
+    assert stat.S_IMODE(os.stat(os.path.join(d, "config.json")).st_mode) == 0o600
 
 
 def test_kill9_trainer_and_worker_lose_and_duplicate_nothing(

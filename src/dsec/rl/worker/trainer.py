@@ -24,6 +24,7 @@ from typing import Any, Self
 import httpx
 import msgspec
 
+from dsec import statedir
 from dsec.errors import DsecError, InvalidArgument, TransportError, error_from_wire
 from dsec.rl.agent.types import Trajectory
 from dsec.rl.worker.types import WorkerConfig, WorkerTask
@@ -100,11 +101,10 @@ def start_worker(state_dir: str, *, url: str, api_key: str, project: str,
                                **config}, WorkerConfig)
     except msgspec.ValidationError as exc:
         raise InvalidArgument(f"rollout worker config: {exc}") from exc
-    tmp = cfg_path + ".tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(msgspec.json.encode(cfg))
-    os.rename(tmp, cfg_path)
+    # fsynced, and the directory: the restart after a crash reads it (worker_id, key), and
+    # a renamed-but-unsynced one could be empty after a power loss - every later start
+    # then failed to decode it, and its queue was not taken over
+    statedir.write_private_file(cfg_path, msgspec.json.encode(cfg))
     info = os.path.join(state_dir, "worker.json")
     if os.path.exists(info):
         os.unlink(info)

@@ -27,6 +27,7 @@ import sys
 import tempfile
 from importlib import resources
 
+from dsec import statedir
 from dsec.edge.backends.container.linux import CAP_LAST_CAP, DEFAULT_CAPS
 from dsec.edge.backends.container.rootfs import (
     DEVICES,
@@ -137,7 +138,12 @@ def ensure_nsexec(cache_dir: str | None = None, *,
                 f"{r.stderr.strip()[-2000:]}; a static build needs libc6-dev "
                 "(`make setup` installs gcc and libc6-dev)")
         os.chmod(out, 0o755)
+        # on disk before it has its name (the compiler does not fsync): the next start
+        # trusts any file of that name, and an empty one after a power loss was a helper
+        # that never ran, until someone deleted it
+        statedir.fsync_file(out)
         os.rename(out, target)  # atomic: concurrent builders race harmlessly
+        statedir.fsync_dir(cache_dir)
     return target
 
 

@@ -92,6 +92,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from collections.abc import Set as AbstractSet
 
+from dsec import statedir
 from dsec.edge.backends.container import linux
 from dsec.edge.backends.container.box import Box
 from dsec.edge.backends.container.census import cgroup_parents, remove_cgroup_dirs
@@ -326,13 +327,20 @@ def write_helpers(parent: str, *, busybox: str, nsexec: str, seccomp: bytes) -> 
             fd = os.open(os.path.join(tmp, name), os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
+                # durable before the directory is named: a directory of that name is
+                # trusted whole from then on (an empty nsexec after a power loss broke
+                # every sandbox of the tier until someone deleted it)
+                f.flush()
+                os.fsync(f.fileno())
             os.chmod(os.path.join(tmp, name), mode)
         os.chmod(tmp, 0o555)
+        statedir.fsync_dir(tmp)
         try:
             os.rename(tmp, path)
         except OSError:
             if not os.path.isdir(path):   # not a concurrent maker's: a real failure
                 raise
+        statedir.fsync_dir(parent)
     finally:
         if os.path.isdir(tmp):
             os.chmod(tmp, 0o700)

@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import msgspec
 
+from dsec import statedir
 from dsec.edge.backend import DeathSink, Leftover
 from dsec.edge.backends.container.box import Box
 from dsec.edge.backends.container.census import claim_cgroup_name
@@ -564,6 +565,15 @@ class VmBackend:
                 os.unlink(path)
 
     def _save(self, vm: _Vm) -> None:
+        if vm.rec.paused:
+            # A paused sandbox outlives a power loss (its mem.bin is fsynced before it is
+            # named) and so must its record: adopt drops a sandbox whose vm.json does not
+            # decode, and a renamed-but-unsynced one can be empty after a power cut - the
+            # pause was answered, the sandbox gone. A running one dies with the host: its
+            # record is not worth an fsync on the create path.
+            statedir.write_private_file(os.path.join(vm.dir, "vm.json"),
+                                        msgspec.json.encode(vm.rec))
+            return
         tmp = os.path.join(vm.dir, "vm.json.tmp")
         with open(tmp, "wb") as f:
             f.write(msgspec.json.encode(vm.rec))
@@ -667,7 +677,12 @@ class VmBackend:
                 raise BackendError(f"mkfs.erofs of image directory {path} failed: "
                                    f"{r.stderr.decode(errors='replace')[:300]}")
             os.chmod(tmp, 0o644)
+            # mkfs.erofs does not fsync, and the next start trusts any file of that name:
+            # after a power loss an unsynced one could come back empty, a corrupt root
+            # for every VM of that directory
+            _fsync(tmp)
             os.replace(tmp, out)
+            _fsync(self._erofs_cache)
         return out
 
     # -- QEMU process -----------------------------------------------------------------
@@ -1244,7 +1259,7 @@ class VmBackend:
             if os.path.exists(mem):
                 if not rec.paused:     # the pause completed; its record was not written
                     rec.paused, rec.pid, rec.start = True, 0, 0
-                    self._save(vm)
+                    await asyncio.to_thread(self._save, vm)    # durable: off the loop
                 return True
             await self._teardown(vm)
             return False
@@ -1372,7 +1387,7 @@ class VmBackend:
         finally:
             vm.save_final = None
         vm.rec.paused, vm.rec.pid, vm.rec.start = True, 0, 0
-        self._save(vm)
+        await asyncio.to_thread(self._save, vm)      # durable (paused): off the loop
         # QEMU is gone; what its cgroup still holds is page cache of the memory file and
         # the scratch disk (measured: ~100 MiB for a 192 MiB guest): drop it
         _, after = await asyncio.to_thread(self.governor.reclaim, vm.cg)

@@ -70,6 +70,7 @@ import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from dsec import statedir
 from dsec.errors import InvalidArgument, SandboxError
 
 __all__ = [
@@ -202,7 +203,11 @@ def prepare_pmem_layer(layer_path: str, cache_dir: str) -> PmemLayer:
                 shutil.copyfileobj(src, out, 1 << 20)
             out.truncate(want)
             os.fchmod(out.fileno(), 0o444)
+            # on disk before it is named: a copy of the right size is reused unread, and
+            # after a power loss an unsynced one has that size (the truncate) over zeros
+            os.fsync(out.fileno())
         os.replace(tmp, dst)
+        statedir.fsync_dir(cache_dir)
     except OSError as exc:
         try:
             os.unlink(tmp)

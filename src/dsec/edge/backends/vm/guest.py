@@ -38,6 +38,7 @@ import tempfile
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from dsec import statedir
 from dsec.edge.backends.container.nsexec import check_private, default_cache_dir
 from dsec.errors import BackendError
 
@@ -277,7 +278,11 @@ def ensure_agent(cache_dir: str | None = None, *,
                                f"{r.returncode}): {r.stderr.strip()[-2000:]}; a static "
                                "build needs libc6-dev (`make setup`)")
         os.chmod(out, 0o755)
+        # durable before it is named: the name alone is trusted from then on (an empty
+        # agent after a power loss would be every guest's PID 1; see ensure_nsexec)
+        statedir.fsync_file(out)
         os.rename(out, target)
+        statedir.fsync_dir(cache_dir)
     return target
 
 
@@ -345,8 +350,11 @@ def ensure_initramfs(kernel: GuestKernel, cache_dir: str | None = None, *,
     fd, tmp = tempfile.mkstemp(prefix=".initramfs-", dir=cache_dir)
     with os.fdopen(fd, "wb") as f:
         f.write(data)
+        f.flush()
+        os.fsync(f.fileno())        # the name alone is trusted from then on (as the agent)
     os.chmod(tmp, 0o644)
     os.rename(tmp, target)
+    statedir.fsync_dir(cache_dir)
     return target
 
 
