@@ -61,6 +61,7 @@ V1_CONTROLLERS: tuple[str, ...] = ("memory", "cpu", "cpuacct", "pids", "freezer"
 V1_REQUIRED: tuple[str, ...] = ("memory", "cpu", "pids", "freezer")
 V2_REQUIRED: tuple[str, ...] = ("memory", "cpu", "pids")
 CFS_PERIOD_US = 100_000
+CFS_PERIOD_MAX_US = 1_000_000   # the kernel's longest CFS period
 # The task caps every backend that governs real processes (container, runc, fncall)
 # applies: the most tasks one sandbox may have (a spec asking for more is refused;
 # pids_max=None, "no cap", gets this), and the pids kept free for the edge and the host
@@ -718,16 +719,24 @@ class Governor:
         else:
             _write(os.path.join(d, "cpu.shares"), "2")
 
-    def set_cpu_quota(self, cg: SandboxCgroup, milli: int) -> None:
-        """Set one sandbox's CPU cap (``milli`` thousandths of a CPU) - the node's BE
-        suppression scales best-effort sandboxes' caps with it
+    def set_cpu_quota(self, cg: SandboxCgroup, cores: float) -> tuple[int, int]:
+        """Set one sandbox's CPU cap to ``cores`` (returns the ``(quota, period)`` us
+        written) - the node's BE suppression scales best-effort sandboxes' caps with it
         (:class:`dsec.edge.qos.CpuSuppressor`). Per sandbox, not on the BE parent: v1
-        refuses (EINVAL) a parent quota below any child's, and every sandbox has one."""
-        quota = max(1000, milli * CFS_PERIOD_US // 1000)
+        refuses (EINVAL) a parent quota below any child's, and every sandbox has one.
+        A cap under the kernel's smallest quota (1 ms) per 100 ms period takes a 1 s
+        period, down to 0.001 core: with 1 ms per 100 ms as the floor, N BE sandboxes
+        kept N x 0.01 cores whatever the cap (red team 24 B1)."""
+        period = CFS_PERIOD_US if cores * CFS_PERIOD_US >= 1000 else CFS_PERIOD_MAX_US
+        quota = max(1000, round(cores * period))
         if cg.version == 2:
-            _write(os.path.join(cg.dirs["unified"], "cpu.max"), f"{quota} {CFS_PERIOD_US}")
+            _write(os.path.join(cg.dirs["unified"], "cpu.max"), f"{quota} {period}")
         else:
-            _write(os.path.join(cg.dirs["cpu"], "cpu.cfs_quota_us"), str(quota))
+            d = cg.dirs["cpu"]
+            # period first: with a parent uncapped, any (quota, period) pair is valid
+            _write(os.path.join(d, "cpu.cfs_period_us"), str(period))
+            _write(os.path.join(d, "cpu.cfs_quota_us"), str(quota))
+        return quota, period
 
     def create(self, sid: str, limits: Limits) -> SandboxCgroup:
         """mkdir the sandbox's cgroups and apply ``limits``; on failure remove them."""
@@ -898,6 +907,18 @@ class Governor:
         finally:
             os.close(ctl)
         return efd
+
+    def cpu_ns(self, cg: SandboxCgroup) -> int:
+        """The sandbox's CPU time so far, ns (one file read; 0 if it is gone)."""
+        try:
+            if cg.version == 2:
+                for line in _read(os.path.join(cg.dirs["unified"], "cpu.stat")).splitlines():
+                    if line.startswith("usage_usec"):
+                        return int(line.split()[1]) * 1000
+                return 0
+            return int(_read(os.path.join(cg.dirs["cpuacct"], "cpuacct.usage")).split()[0])
+        except (OSError, ValueError, IndexError, KeyError):
+            return 0
 
     def stats(self, cg: SandboxCgroup) -> tuple[int, int, float, int]:
         """``(memory_bytes, memory_peak_bytes, cpu_seconds, pids)``."""

@@ -2100,7 +2100,9 @@ class EdgeNode:
             # git does with its index ("racily clean"): a stamp younger than a second
             # is not trusted - the list is recomputed until its inputs are older.
             now = time.time_ns()
-            racy = any(now - st[1] < 1_000_000_000 for st in stamps if st[0])
+            # (a stamp from the future - a clock stepped back - is not "young": it would
+            # disable the cache until the clock caught up; red team 24 C1)
+            racy = any(0 <= now - st[1] < 1_000_000_000 for st in stamps if st[0])
         cached = self._images_cache
         if cached is not None and cached[0] == key:
             return cached[1], cached[2]

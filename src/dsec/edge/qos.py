@@ -646,7 +646,7 @@ class CpuSuppressor:
             # A saturated node hides LS demand (what BE took, LS may have wanted): the
             # cap halves until the node has idle time again - without this it crept
             # down one interval at a time (measured: 1.57 -> 0.05 cores over 1.5 s).
-            cap = min(cap, self.cap * 0.5)
+            cap = max(self.policy.floor_cores, min(cap, self.cap * 0.5))  # (24 B2)
         if self.cap is None or abs(cap - self.cap) > 0.05 * max(self.cap, 0.1):
             self.set_cap(cap)
             self.cap = cap

@@ -212,7 +212,10 @@ def _probe_one(binary: str, state: str, platform: str, timeout_s: float) -> bool
         ["unshare", "--net", "--", binary, "--root", state, "--ignore-cgroups",
          f"--platform={platform}", "--network=none",
          "do", "/bin/true"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL, start_new_session=True)
+        stderr=subprocess.DEVNULL, start_new_session=True,
+        # `runsc do` makes $TMPDIR/runsc-do<n> and removes it only when it exits on its
+        # own: inside ``state``, which the caller removes (red team 24 E1)
+        env={**os.environ, "TMPDIR": state})
     try:
         return proc.wait(timeout_s) == 0
     except subprocess.TimeoutExpired:
