@@ -143,10 +143,25 @@ def test_a_changed_local_file_is_never_uploaded(
 
 
 _PUSHER = """
-import sys
+import sys, time
+from pathlib import Path
+import dsec.image.blob.s3 as s3
 from dsec.image import LayerStore
 from dsec.image.blob import open_blobstore
 from dsec.image.blob.push import push_image
+# a slow link (1 MiB per 0.1 s): on loopback the whole upload could end between two of
+# the test's polls (CI saw it), so the kill could miss the window it is about
+real_put = s3.obstore.put
+def slow_put(store, key, file, **kw):
+    if isinstance(file, Path):
+        def chunks(p=file):
+            with open(p, "rb") as f:
+                while b := f.read(1 << 20):
+                    yield b
+                    time.sleep(0.1)
+        file = chunks()
+    return real_put(store, key, file, **kw)
+s3.obstore.put = slow_put
 push_image(open_blobstore(sys.argv[1], part_size=5 * 1024 * 1024, max_concurrency=1),
            LayerStore(sys.argv[2]), sys.argv[3])
 """
