@@ -26,8 +26,8 @@ alike, and the unloaded reference is measured between the loaded windows. Figure
   headline);
 * ``qos_ls_step_p50_ms`` / ``qos_ls_step_p99_ms`` and ``qos_ls_inside_p50_ms`` /
   ``qos_ls_inside_p99_ms`` per level and mode, ``qos_be_cpu_cores``;
-* ``qos_be_suppression``: the BE suppression threshold the run had (0: off, the node's
-  default; ``DSEC_BENCH_QOS_SUPPRESS=0.65`` turns it on, dsec.edge.qos.CpuSuppressor);
+* ``qos_be_suppression``: the BE suppression threshold the run had (0.65, the node's
+  default; ``DSEC_BENCH_QOS_SUPPRESS=0`` turns it off, dsec.edge.qos.CpuSuppressor);
 * with ``DSEC_BENCH_QOS_BESIDE=1`` (v1; a diagnostic, off by default: a fourth window
   per round), ``qos_ls_p99_inflation_be_beside_ls``: QoS on but the BE sandboxes' cpu
   cgroups moved beside the LS ones under the sandboxes' parent, the placement before the
@@ -264,8 +264,10 @@ async def _run(ctx: BenchContext, work: str) -> str:
     build_busybox_root(os.path.join(images, "base"))
     stepper = build_stepper(os.path.join(images, "base"))
     psi_path = _own_psi_cgroup(work)   # before the backend: the zygote inherits it
-    # DSEC_BENCH_QOS_SUPPRESS=0.65: the node's opt-in BE suppression on (qos.CpuSuppressor)
-    suppress = os.environ.get("DSEC_BENCH_QOS_SUPPRESS") or None
+    # the node's BE suppression (qos.CpuSuppressor) as the product ships it;
+    # DSEC_BENCH_QOS_SUPPRESS=0 runs without it, =0.8 with another threshold
+    env = os.environ.get("DSEC_BENCH_QOS_SUPPRESS")
+    suppress = 0.65 if not env else float(env)
     b = ContainerBackend(root_dir=os.path.join(work, "root"), images=DirectoryImages(images),
                          be_cpu_threshold=suppress)
     cores = os.cpu_count() or 1
@@ -337,7 +339,7 @@ async def _run(ctx: BenchContext, work: str) -> str:
         ctx.record("qos_load_average", (load0 + load1) / 2, "load", start=load0, end=load1,
                    cores=cores)
         feats = qos_features()
-        ctx.record("qos_be_suppression", float(suppress or 0), "threshold",
+        ctx.record("qos_be_suppression", suppress, "threshold",
                    env="DSEC_BENCH_QOS_SUPPRESS")
         ctx.note(f"QoS bench: {cores} LS sandboxes; per BE level {rounds} rounds of "
                  f"interleaved windows (no BE / QoS off / QoS on), {k} exec steps per LS "

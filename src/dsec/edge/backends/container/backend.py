@@ -249,7 +249,7 @@ class ContainerBackend:
                  shared_scratch: bool | str = True,
                  lazy_devpts: bool | str = False,
                  helper_idle_s: float | None = 60.0,
-                 be_cpu_threshold: float | str | None = None,
+                 be_cpu_threshold: float | str | None = 0.65,
                  clock: Callable[[], float] = time.time) -> None:
         """``max_sandbox_pids``: the most tasks one sandbox may have; a spec asking for more
         is refused, ``pids_max=None`` ("no cap") gets this. ``pids_headroom``: pids kept
@@ -316,12 +316,13 @@ class ContainerBackend:
         new one. None: helpers stay while their sandbox lives.
         ``be_cpu_threshold``: BE suppression (:class:`dsec.edge.qos.CpuSuppressor`):
         best-effort sandboxes together get at most this share of the node's CPUs less
-        what everything else used in the last quarter second, so LS work finds idle
-        CPUs (v1 with the BE parent; the trace behind it is in :mod:`dsec.edge.qos`).
-        None or 0 (default): off - BE takes every cycle SCHED_IDLE gives it. Opt-in
-        (e.g. 0.65, Koordinator's default) because it costs BE a third of an idle node
-        and nearly all of a busy one; measured gain at 50 % BE load: LS exec-step p99
-        1.93x -> 1.48x of unloaded (docs/container.md "BE suppression").
+        what everything else used in the last quarter second, in 10 ms slices, so LS
+        work finds idle CPUs (v1 with the BE parent; the trace behind it is in
+        :mod:`dsec.edge.qos`). Default 0.65 (Koordinator's CPU-suppress default):
+        measured at 50 % BE load, LS exec-step p99 1.93x of unloaded without it, 0.88-
+        1.00x with it; the price is BE's: at most 65 % of an idle node, next to nothing
+        of a busy one (docs/container.md "BE suppression"). None or 0: off - BE takes
+        every cycle SCHED_IDLE gives it.
         ``runsc_binary``, ``gvisor_platform``: gVisor's runsc and its platform for
         ``runtime="runsc"`` (None: probed once per node, see :mod:`.runsc`)."""
         if isinstance(be_cpu_threshold, str):   # (refused before anything is made)
@@ -901,7 +902,11 @@ class ContainerBackend:
             if self._be_quota.get(b.sid) == want:
                 continue
             try:
-                self.governor.set_cpu_quota(b.cg, want)
+                if f >= 1.0 or self._suppress is None:   # its own cap, as created
+                    self.governor.set_cpu_quota(b.cg, want)
+                else:
+                    self.governor.set_cpu_quota(
+                        b.cg, want, period_us=self._suppress.policy.period_us)
                 self._be_quota[b.sid] = want
             except OSError as exc:   # gone meanwhile; the next tick sees the rest
                 log.debug("BE suppression: %s: %s", b.sid, exc)
