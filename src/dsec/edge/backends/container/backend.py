@@ -908,7 +908,7 @@ class ContainerBackend:
                     self.governor.set_cpu_quota(
                         b.cg, want, period_us=self._suppress.policy.period_us)
                 self._be_quota[b.sid] = want
-            except OSError as exc:   # gone meanwhile; the next tick sees the rest
+            except (OSError, KeyError) as exc:   # gone meanwhile (or no cpu dir known)
                 log.debug("BE suppression: %s: %s", b.sid, exc)
         for sid in [s for s in self._be_quota if s not in own]:
             del self._be_quota[sid]
