@@ -250,3 +250,46 @@ def test_the_stale_claim_sweep_never_frees_a_claim_being_made(
     with open(os.path.join(b.uid_dir, str(uid))) as f:
         assert f.read() == f"{b.key} sb-new\n"
     assert b._alloc_uid("sb-other") != uid        # the uid is still held
+
+
+async def test_an_answered_resume_never_comes_back_paused(
+        bare: VmBackend, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Adopt takes a ``mem.bin`` as "paused, whatever the record says"; resume unlinked
+    it without making the unlink durable, so a power cut after an answered resume could
+    bring the sandbox back as the paused one (its later work silently gone). The real
+    unlink must be followed by an fsync of the sandbox's directory before resume
+    returns. QEMU itself is out of this test (its start is the boundary: stubbed)."""
+    from types import SimpleNamespace
+
+    from tests.syscall_order import record_syscalls
+
+    b = bare
+    vm = _vm(b, "sb-res", uid=b._alloc_uid("sb-res"), paused=True, boot_id="boot-1")
+    b._vms["sb-res"] = vm
+    mem = os.path.join(vm.dir, "mem.bin")
+    with open(mem, "wb") as f:  # noqa: ASYNC230
+        f.write(b"guest memory")
+
+    async def start(v: _Vm, *, incoming: str) -> None:
+        v.link = SimpleNamespace(hello_reply=SimpleNamespace(boot_id="boot-1"))  # type: ignore[assignment]
+
+    async def nothing(*_: Any) -> None:
+        return None
+
+    monkeypatch.setattr(b, "_qemu_pids", dict)
+    monkeypatch.setattr(b, "_start", start)
+    monkeypatch.setattr(b, "_sync_clock", nothing)
+    monkeypatch.setattr(b.governor, "after_resume", lambda cg: None)
+    calls = record_syscalls(monkeypatch)
+    real_unlink = os.unlink
+
+    def unlink(path: Any, *a: Any, **kw: Any) -> None:
+        calls.append(("unlink", os.path.realpath(path)))
+        real_unlink(path, *a, **kw)
+
+    monkeypatch.setattr(os, "unlink", unlink)
+    await b._resume_locked(vm)
+    vm.link = None
+    assert not os.path.exists(mem) and not vm.rec.paused
+    gone = calls.index(("unlink", os.path.realpath(mem)))
+    assert ("fsync", os.path.realpath(vm.dir)) in calls[gone + 1:], calls

@@ -1323,6 +1323,7 @@ class VmBackend:
         self._save(vm)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(os.path.join(vm.dir, "mem.bin"))    # the running guest supersedes it
+            statedir.fsync_dir(vm.dir)                     # (and for good: see resume)
         self._arm_death(vm)
         return True
 
@@ -1539,6 +1540,12 @@ class VmBackend:
         vm.rec.paused = False
         self._save(vm)
         os.unlink(mem)
+        # Durable before acknowledged: adopt takes a mem.bin as "paused, whatever the
+        # record says", so an unlink lost to a power cut brought a resumed sandbox back
+        # as the paused one - the work done after the answered resume silently gone. The
+        # directory's fsync makes the unlink stick (then the record, fsynced with it,
+        # says running and no QEMU is left: the sandbox is reported lost, honestly).
+        await asyncio.to_thread(statedir.fsync_dir, vm.dir)
         await self._sync_clock(vm)
         self.governor.after_resume(vm.cg)
 
