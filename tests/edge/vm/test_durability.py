@@ -271,7 +271,7 @@ async def test_an_answered_resume_never_comes_back_paused(
         f.write(b"guest memory")
 
     async def start(v: _Vm, *, incoming: str) -> None:
-        v.link = SimpleNamespace(hello_reply=SimpleNamespace(boot_id="boot-1"))  # type: ignore[assignment]
+        v.link = SimpleNamespace(hello_reply=SimpleNamespace(boot_id="boot-1"))
 
     async def nothing(*_: Any) -> None:
         return None
