@@ -329,3 +329,22 @@ def test_suppressor_follows_ls_use_halves_on_saturation_and_releases() -> None:
     assert step(0.0, 0.02) == pytest.approx(1.3 - 0.425)
     s.release()
     assert caps[-1] is None and s.cap is None
+
+
+def test_the_be_cap_is_shared_by_demand_not_by_declared_caps() -> None:
+    """Red team 25 A1: by declared caps one idle sandbox declaring 1,024 cores left a
+    busy 1-core one 0.001 of the budget; by demand the busy one gets what it can use."""
+    from dsec.edge.qos import share_be_cap
+
+    own = {"idle-huge": 1024.0, "busy": 1.0}
+    got = share_be_cap(1.3, own, {"idle-huge": 0.0, "busy": 0.4})
+    assert got["busy"] == pytest.approx(1.0)             # demand 0.8, grown to its own cap
+    assert got["idle-huge"] == pytest.approx(0.3)         # the rest: it may wake up
+    assert sum(got.values()) == pytest.approx(1.3)
+    # two busy ones over the cap: shared by what they use, nobody above its own cap
+    got = share_be_cap(0.5, {"a": 1.0, "b": 1.0}, {"a": 0.3, "b": 0.1})
+    assert got["a"] == pytest.approx(0.375) and got["b"] == pytest.approx(0.125)
+    # a sandbox that used nothing keeps a floor (min_demand) and nothing is made up
+    got = share_be_cap(0.02, {"a": 1.0, "b": 1.0}, {})
+    assert got == {"a": pytest.approx(0.01), "b": pytest.approx(0.01)}
+    assert share_be_cap(1.0, {}, {}) == {}

@@ -737,9 +737,21 @@ class Governor:
             _write(os.path.join(cg.dirs["unified"], "cpu.max"), f"{quota} {period}")
         else:
             d = cg.dirs["cpu"]
-            # period first: with a parent uncapped, any (quota, period) pair is valid
-            _write(os.path.join(d, "cpu.cfs_period_us"), str(period))
-            _write(os.path.join(d, "cpu.cfs_quota_us"), str(quota))
+            # v1 checks each write against the parents' quotas (a child may not ask more
+            # than a capped parent - a systemd CPUQuota=, a pod's limit): the pair in
+            # between must not exceed both the old and the new ratio. Shrinking the
+            # period, the quota goes first (q_new / p_old < q_new / p_new); growing it,
+            # the period (q_old / p_new < q_old / p_old). Period-first always asked
+            # 10 cores for a moment going 100 ms -> 10 ms: EINVAL under a capped parent,
+            # every tick (red team 25 B1).
+            try:
+                old_period = int(_read(os.path.join(d, "cpu.cfs_period_us")))
+            except (OSError, ValueError):
+                old_period = period
+            order = ("cpu.cfs_quota_us", "cpu.cfs_period_us") if period < old_period \
+                else ("cpu.cfs_period_us", "cpu.cfs_quota_us")
+            for f in order:
+                _write(os.path.join(d, f), str(quota if f == "cpu.cfs_quota_us" else period))
         return quota, period
 
     def create(self, sid: str, limits: Limits) -> SandboxCgroup:

@@ -81,6 +81,7 @@ __all__ = [
     "core_sched_available",
     "core_sched_cookie",
     "format_cpulist",
+    "idle_every_task",
     "io_writes",
     "memory_held",
     "mount_source",
@@ -98,6 +99,7 @@ __all__ = [
     "read_psi",
     "sched_policy",
     "set_sched_idle",
+    "share_be_cap",
 ]
 
 CFS_PERIOD_US: Final = 100_000
@@ -310,6 +312,30 @@ def set_sched_idle(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+def idle_every_task(cgroup_dir: str) -> int:
+    """SCHED_IDLE for every thread already in a cgroup (its ``tasks`` file, v1; v2
+    ``cgroup.threads``), returning how many were set: for runtimes that start
+    multi-threaded processes the edge did not fork (gVisor's Sentry and gofer, Go
+    programs): setting the main thread's policy reaches only threads created after it
+    (red team 25 C1: most of a BE gVisor sandbox's threads ran SCHED_OTHER). Threads they
+    create from now on inherit it. Threads gone meanwhile are skipped."""
+    n = 0
+    for name in ("tasks", "cgroup.threads"):
+        try:
+            with open(os.path.join(cgroup_dir, name)) as f:
+                tids = [int(t) for t in f.read().split()]
+        except (OSError, ValueError):
+            continue
+        for tid in tids:
+            try:
+                os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+                n += 1
+            except OSError:
+                pass
+        break
+    return n
 
 
 def sched_policy(pid: int) -> int:
@@ -605,6 +631,33 @@ class CpuSuppressPolicy:
 def be_cpu_cap(cores: float, ls_cores: float, policy: CpuSuppressPolicy) -> float:
     """The BE parent's CPU cap in cores, given the node's cores and LS use (pure)."""
     return max(policy.floor_cores, min(cores, cores * policy.threshold - ls_cores))
+
+
+def share_be_cap(cap: float, own: Mapping[str, float], used: Mapping[str, float], *,
+                 min_demand: float = 0.01) -> dict[str, float]:
+    """The BE cap shared among BE sandboxes by *demand* (pure): each one's demand is
+    twice what it used over the last interval (room to grow: a sandbox using all of its
+    share doubles it per interval), at least ``min_demand``, at most its own cap; the
+    cap is then shared in proportion to demand, nobody above its own cap. By declared
+    caps instead, one idle sandbox declaring 1,024 cores left a busy 1-core one 0.001
+    of a 1.3-core budget that nobody used (red team 25 A1); an idle or frozen sandbox
+    now holds ``min_demand`` and gets more back within intervals once it works."""
+    demand = {s: min(o, max(2.0 * used.get(s, 0.0), min_demand)) for s, o in own.items()}
+    total = sum(demand.values())
+    if total <= 0:
+        return dict.fromkeys(own, 0.0)
+    scale = cap / total
+    out = {s: min(own[s], d * scale) for s, d in demand.items()}
+    # what the own caps clipped goes to the others, in proportion again (a few rounds)
+    for _ in range(4):
+        left = cap - sum(out.values())
+        free = {s: own[s] - v for s, v in out.items() if own[s] - v > 1e-9}
+        if left <= 1e-9 or not free:
+            break
+        weight = sum(demand[s] for s in free)
+        for s in free:
+            out[s] = min(own[s], out[s] + left * demand[s] / weight)
+    return out
 
 
 def read_busy_ns(text: str, hz: int = 100) -> int:

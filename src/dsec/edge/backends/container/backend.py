@@ -107,6 +107,7 @@ from dsec.edge.notices import NoticeLimiter
 from dsec.edge.qos import (
     CpuSuppressor,
     CpuSuppressPolicy,
+    idle_every_task,
     memory_held,
     mount_source,
     parse_class_cpus,
@@ -115,6 +116,7 @@ from dsec.edge.qos import (
     qos_policy_text,
     qos_process,
     read_busy_ns,
+    share_be_cap,
 )
 from dsec.edge.usage import net_bytes
 from dsec.errors import (
@@ -431,6 +433,9 @@ class ContainerBackend:
                 if be_cpu_threshold and self.governor.layout.be_cpu else None
             self._suppress_timer: asyncio.TimerHandle | None = None
             self._be_quota: dict[str, float] = {}   # BE caps written (cores), by sandbox
+            self._be_seen: dict[str, tuple[float, int]] = {}   # last cpu reading (t, ns)
+            self._be_used: dict[str, float] = {}    # cores each used, last interval
+            self._be_warned: set[str] = set()       # a failed cap write said once
             self._notices = NoticeLimiter(notice_interval_s)
             # Denied packets (plan-14 §4.7): the slots' counters are read every
             # ``denied_poll_s`` (one netlink dump, 0.28 ms for 1,000 slots), a
@@ -711,6 +716,8 @@ class ContainerBackend:
                 box.init_pid = await self._runc.create(box)
                 box.pidfd = os.pidfd_open(box.init_pid)
                 box.init_start = start_time(box.init_pid) or 0
+                if qos_of(spec) == "be" and ("cpu" in cg.dirs or "unified" in cg.dirs):
+                    self._idle_oci_box(cg)
             else:
                 box.init_pid, fd = await self._native_create(box)
                 try:   # read while the pidfd proves the pid still names the init
@@ -870,6 +877,17 @@ class ContainerBackend:
 
     _POLL_SLICE = 256  # sandboxes checked per timer tick (~8 us each): no long loop stall
 
+    def _idle_oci_box(self, cg: SandboxCgroup) -> None:
+        """runc/runsc BE sandbox: runc made its cpu cgroup (beside the LS ones under the
+        base, not under the idle BE parent - see docs/container.md "BE suppression"), so
+        the group is marked ``cpu.idle`` itself (idle against its LS siblings) and every
+        thread already in it - the gVisor Sentry's and gofer's, started multi-threaded -
+        is put under SCHED_IDLE (red team 25 C1)."""
+        d = cg.dirs["unified"] if cg.version == 2 else cg.dirs["cpu"]
+        with contextlib.suppress(OSError), open(os.path.join(d, "cpu.idle"), "w") as f:
+            f.write("1")
+        idle_every_task(d)
+
     # -- BE suppression -----------------------------------------------------------------
     def _be_boxes(self) -> list[Box]:
         return [b for b in self._boxes.values() if qos_of(b.spec) == "be" and not b.dying]
@@ -878,40 +896,55 @@ class ContainerBackend:
         """CPU time of the live BE sandboxes, ns: one file read each (cpuacct.usage;
         v2 cpu.stat) - measured ~60 us each on this VM when it went through ``stats``'
         four reads (red team 24 B4), so a tick at 1,000 BE sandboxes stalled the loop
-        ~60 ms; a BE parent in the cpuacct hierarchy would make it one read (not done)."""
+        ~60 ms; a BE parent in the cpuacct hierarchy would make it one read (not done).
+        Also notes what each used since the last reading (cores), for sharing the cap
+        by demand."""
         total = 0
+        now = time.monotonic()
+        seen: dict[str, tuple[float, int]] = {}
         for b in self._be_boxes():
-            total += self.governor.cpu_ns(b.cg)
+            ns = self.governor.cpu_ns(b.cg)
+            total += ns
+            seen[b.sid] = (now, ns)
+            last = self._be_seen.get(b.sid)
+            if last is not None and now > last[0]:
+                self._be_used[b.sid] = max(0.0, (ns - last[1]) / ((now - last[0]) * 1e9))
+        self._be_seen = seen
+        self._be_used = {s: u for s, u in self._be_used.items() if s in seen}
         return total
 
     def _own_cpu_cores(self, spec: SandboxSpec) -> float:
         return (spec.cpu_quota_milli or spec.cpu_milli) / 1000
 
     def _set_be_cap(self, cores: float | None) -> None:
-        """Share ``cores`` among the live BE sandboxes in proportion to their own caps
-        (``None``: each back to its own cap). Written per sandbox (v1 refuses a BE
-        parent quota below a child's), only where the value moved; below 1 ms per
-        100 ms a sandbox gets a 1 s period (``Governor.set_cpu_quota``), so the shares
-        add up to the cap down to 0.001 core per BE sandbox."""
+        """Share ``cores`` among the live BE sandboxes by demand
+        (:func:`dsec.edge.qos.share_be_cap`; ``None``: each back to its own cap).
+        Written per sandbox (v1 refuses a BE parent quota below a child's), only where
+        the value moved; below 1 ms per 10 ms a sandbox gets a 100 ms, then 1 s period
+        (``Governor.set_cpu_quota``), so the shares add up to the cap down to 0.001 core
+        per BE sandbox."""
         boxes = self._be_boxes()
-        own = {b.sid: self._own_cpu_cores(b.spec) for b in boxes}
-        total = sum(own.values())
-        f = 1.0 if cores is None or total <= 0 else min(1.0, cores / total)
+        own: dict[str, float] = {b.sid: self._own_cpu_cores(b.spec) for b in boxes}
+        share = own if cores is None or self._suppress is None else \
+            share_be_cap(cores, own, self._be_used)
         for b in boxes:
-            want = own[b.sid] * f
+            want = share[b.sid]
             if self._be_quota.get(b.sid) == want:
                 continue
             try:
-                if f >= 1.0 or self._suppress is None:   # its own cap, as created
-                    self.governor.set_cpu_quota(b.cg, want)
+                if want >= own[b.sid] or self._suppress is None:   # its own cap, as made
+                    self.governor.set_cpu_quota(b.cg, own[b.sid])
                 else:
                     self.governor.set_cpu_quota(
                         b.cg, want, period_us=self._suppress.policy.period_us)
                 self._be_quota[b.sid] = want
             except (OSError, KeyError) as exc:   # gone meanwhile (or no cpu dir known)
-                log.debug("BE suppression: %s: %s", b.sid, exc)
+                if b.sid not in self._be_warned:
+                    self._be_warned.add(b.sid)
+                    log.warning("BE suppression: cannot cap sandbox %s: %s", b.sid, exc)
         for sid in [s for s in self._be_quota if s not in own]:
             del self._be_quota[sid]
+        self._be_warned &= set(own)
 
     def _suppress_tick(self) -> None:
         """Every ``interval_s`` while BE sandboxes live: re-cap them (see __init__)."""
@@ -922,6 +955,11 @@ class ContainerBackend:
         if not self._be_boxes():
             sup.release()
             return
+        if self._runc is not None:
+            # threads an OCI runtime's processes (gVisor's Sentry, its stubs) made since
+            # from threads that predate their sandbox's idle pass
+            for b in self._be_boxes():
+                self._idle_oci_box(b.cg)
         try:
             sup.tick()
             self._set_be_cap(sup.cap)   # a BE sandbox new since the last change too
