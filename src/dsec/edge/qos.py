@@ -616,7 +616,7 @@ class CpuSuppressPolicy:
     #: the CFS period of a suppressed BE sandbox: its share comes in slices of at most
     #: this long, so an LS step that meets BE work waits a slice, not a 100 ms period's
     #: whole quota at once. Measured (qos bench, 50 % BE, suppression 0.65): exec-step
-    #: p99 inflation 1.48x with the default 100 ms period, 0.88-1.16x with 10 ms (three runs).
+    #: p99 inflation 1.48x with the default 100 ms period, 0.88-1.20x with 10 ms (four runs).
     period_us: int = 10_000
 
     def __post_init__(self) -> None:

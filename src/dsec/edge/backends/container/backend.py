@@ -322,7 +322,7 @@ class ContainerBackend:
         work finds idle CPUs (v1 with the BE parent; the trace behind it is in
         :mod:`dsec.edge.qos`). Default 0.65 (Koordinator's CPU-suppress default):
         measured at 50 % BE load, LS exec-step p99 1.93x of unloaded without it, 0.88-
-        1.16x with it (three runs); the price is BE's: at most 65 % of an idle node, next to nothing
+        1.20x with it (four runs); the price is BE's: at most 65 % of an idle node, next to nothing
         of a busy one (docs/container.md "BE suppression"). None or 0: off - BE takes
         every cycle SCHED_IDLE gives it.
         ``runsc_binary``, ``gvisor_platform``: gVisor's runsc and its platform for
