@@ -76,12 +76,9 @@ def test_a_pull_killed_mid_blob_resumes_where_it_stopped(tmp_path: Path) -> None
         reg.close()
 
 
-def test_a_part_that_is_not_the_blobs_prefix_is_dropped_and_fetched_whole(
-        tmp_path: Path) -> None:
-    """A part file holding bytes that are not the blob's (a disk error, a registry that
-    changed the blob under one digest): the resumed blob fails its digest, the part goes
-    (CorruptLayer, nothing stored), and the retry fetches the blob whole."""
-    from dsec.errors import CorruptLayer
+def _one_blob_image(tmp_path: Path) -> tuple[str, Registry, LayerStore, str]:
+    """A one-layer image (200 KB of random bytes) in a test registry, an empty store,
+    and the cache's blob path of that layer for a pull of it."""
     from dsec.image.pull import BlobCache, cache_scope
     from dsec.image.registry import parse_registry_ref
 
@@ -90,9 +87,20 @@ def test_a_part_that_is_not_the_blobs_prefix_is_dropped_and_fetched_whole(
     blob = built["amd64"].layers[0]
     reg = Registry(lay, REPO)
     store = LayerStore(str(tmp_path / "store"))
+    r = parse_registry_ref(f"{reg.host}/{REPO}:1")
+    return blob, reg, store, BlobCache(store, cache_scope(None, r, None)).path(blob)
+
+
+def test_a_part_that_is_not_the_blobs_prefix_is_dropped_and_fetched_whole(
+        tmp_path: Path) -> None:
+    """A part file holding bytes that are not the blob's (a disk error, a registry that
+    changed the blob under one digest): the resumed blob fails its digest, the part goes
+    (CorruptLayer, nothing stored), and the retry fetches the blob whole."""
+    from dsec.errors import CorruptLayer
+
+    blob, reg, store, path = _one_blob_image(tmp_path)
     try:
-        r = parse_registry_ref(f"{reg.host}/{REPO}:1")
-        part = BlobCache(store, cache_scope(None, r, None)).part(blob)
+        part = path + ".part"
         with open(part, "wb") as f:
             f.write(b"garbage that is not the blob's first bytes")
         with pytest.raises(CorruptLayer, match="did not match its digest"):
@@ -133,18 +141,9 @@ def test_a_cached_blob_that_lost_its_bytes_is_fetched_again(tmp_path: Path,
     is fsynced before the rename now, and a cached blob that is not its digest is
     removed and fetched again. Here the cache holds such a blob (as the power cut left
     it); the pull must fetch it once more and succeed."""
-    from dsec.image.pull import BlobCache, cache_scope
-    from dsec.image.registry import parse_registry_ref
-
-    lay = str(tmp_path / "layout")
-    built = write_image(lay, "1", [tar_entries([Entry("f", data=os.urandom(200_000))])])
-    blob = built["amd64"].layers[0]
-    reg = Registry(lay, REPO)
-    store = LayerStore(str(tmp_path / "store"))
+    blob, reg, store, path = _one_blob_image(tmp_path)
     try:
         size = len(reg.blobs[blob])
-        r = parse_registry_ref(f"{reg.host}/{REPO}:1")
-        path = BlobCache(store, cache_scope(None, r, None)).path(blob)
         with open(path, "wb") as f:
             f.write(bytes(size) if damage == "zeros" else reg.blobs[blob][: size // 2])
         res = pull_image(store, f"{reg.host}/{REPO}:1", options=PullOptions(insecure=True))

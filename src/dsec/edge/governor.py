@@ -720,7 +720,7 @@ class Governor:
             _write(os.path.join(d, "cpu.shares"), "2")
 
     def set_cpu_quota(self, cg: SandboxCgroup, cores: float, *,
-                      period_us: int = 100_000) -> tuple[int, int]:
+                      period_us: int = CFS_PERIOD_US) -> tuple[int, int]:
         """Set one sandbox's CPU cap to ``cores`` (returns the ``(quota, period)`` us
         written) - the node's BE suppression scales best-effort sandboxes' caps with it
         (:class:`dsec.edge.qos.CpuSuppressor`). Per sandbox, not on the BE parent: v1
@@ -943,22 +943,14 @@ class Governor:
                 return int(_read(path).split()[0])
             except (OSError, ValueError, IndexError):
                 return 0
+        cpu_s = self.cpu_ns(cg) / 1e9
         if cg.version == 2:
             d = cg.dirs["unified"]
-            cpu_us = 0
-            try:
-                for line in _read(os.path.join(d, "cpu.stat")).splitlines():
-                    if line.startswith("usage_usec"):
-                        cpu_us = int(line.split()[1])
-            except OSError:
-                pass
             return (num(os.path.join(d, "memory.current")), num(os.path.join(d, "memory.peak")),
-                    cpu_us / 1e6, num(os.path.join(d, "pids.current")))
-        cpu_ns = num(os.path.join(cg.dirs["cpuacct"], "cpuacct.usage")) if "cpuacct" in cg.dirs \
-            else 0
+                    cpu_s, num(os.path.join(d, "pids.current")))
         return (num(os.path.join(cg.dirs["memory"], "memory.usage_in_bytes")),
                 num(os.path.join(cg.dirs["memory"], "memory.max_usage_in_bytes")),
-                cpu_ns / 1e9, num(os.path.join(cg.dirs["pids"], "pids.current")))
+                cpu_s, num(os.path.join(cg.dirs["pids"], "pids.current")))
 
     # -- killing, race-free ---------------------------------------------------------
     # Signalling a pid number read from cgroup.procs can hit another process: the listed

@@ -20,8 +20,9 @@ What a class means on this node:
   is skipped when the LLC's utilisation is high; fork balancing classifies a CPU
   running two idle tasks as overloaded), and a CPU running BE never goes idle, so the
   newidle balance that pulls a waiting task at once never runs - only the periodic
-  balance at the next tick does. So the node caps the BE parent's CPU to what LS leave:
-  ``threshold x cores - LS use`` (:func:`be_cpu_cap`, re-read every ``interval_s``),
+  balance at the next tick does. So the node caps BE sandboxes together to what LS
+  leave: ``threshold x cores - LS use`` (:func:`be_cpu_cap`, re-read every
+  ``interval_s``; shared among them by demand, :func:`share_be_cap`, in 10 ms slices),
   keeping real idle time on the node for the scheduler to place LS work into. The
   price: BE never uses more than ``threshold`` of the node, and yields when LS are busy.
 * **Core scheduling** (``prctl(PR_SCHED_CORE)``) where the kernel has CONFIG_SCHED_CORE:
@@ -629,7 +630,8 @@ class CpuSuppressPolicy:
 
 
 def be_cpu_cap(cores: float, ls_cores: float, policy: CpuSuppressPolicy) -> float:
-    """The BE parent's CPU cap in cores, given the node's cores and LS use (pure)."""
+    """The CPU cap of all BE sandboxes together, in cores, given the node's cores and
+    LS use (pure)."""
     return max(policy.floor_cores, min(cores, cores * policy.threshold - ls_cores))
 
 

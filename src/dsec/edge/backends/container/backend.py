@@ -929,8 +929,10 @@ class ContainerBackend:
             share_be_cap(cores, own, self._be_used)
         for b in boxes:
             want = share[b.sid]
-            if self._be_quota.get(b.sid) == want:
-                continue
+            had = self._be_quota.get(b.sid)
+            if had is not None and (want == had or (
+                    want < own[b.sid] and abs(want - had) <= 0.05 * had)):
+                continue   # (demand moves a little every tick: no write for that)
             try:
                 if want >= own[b.sid] or self._suppress is None:   # its own cap, as made
                     self.governor.set_cpu_quota(b.cg, own[b.sid])
@@ -961,8 +963,10 @@ class ContainerBackend:
             for b in self._be_boxes():
                 self._idle_oci_box(b.cg)
         try:
-            sup.tick()
-            self._set_be_cap(sup.cap)   # a BE sandbox new since the last change too
+            before = sup.cap
+            sup.tick()                  # sets the cap through _set_be_cap when it moved
+            if sup.cap == before:
+                self._set_be_cap(sup.cap)   # else: new BE sandboxes, demand that moved
         except (OSError, ValueError) as exc:
             log.warning("BE suppression tick failed: %s", exc)
         self._suppress_timer = asyncio.get_running_loop().call_later(
