@@ -569,3 +569,23 @@ async def test_a_call_inherits_no_blocked_signal_from_the_edge(isolate: bool) ->
         assert r.stdout.strip() == b"'" + b"0" * 16 + b"'", r.stdout
     finally:
         await b.close()
+
+
+@needs_root
+async def test_reconcile_claims_the_cgroup_name_back_from_a_dead_claimer(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """As the container and vm tiers' tests of the same name: the backend reconciling
+    its root re-claims its cgroup name from a dead claimer, so another edge's start
+    does not sweep this one's empty cgroups (census.idle_names)."""
+    from dsec.edge.backends.container.census import NAMES_DIR, _binding, process_identity
+
+    b = FncallBackend(pool_size=1, root=str(tmp_path / "root"))
+    try:
+        assert b.governor is not None
+        name = b.governor.name
+        with open(os.path.join(NAMES_DIR, name), "w") as f:  # noqa: ASYNC230
+            f.write(f"{b.root}\n999999 1\n")
+        assert _binding(NAMES_DIR, name) == (b.root, "999999 1")
+        await b.reconcile(set())
+        assert _binding(NAMES_DIR, name) == (b.root, process_identity(os.getpid()))
+    finally:
+        await b.close()

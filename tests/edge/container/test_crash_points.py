@@ -11,6 +11,7 @@ import os
 import random
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import msgspec
 import pytest
@@ -18,6 +19,9 @@ import pytest
 from dsec.bench.faults._edge import EdgeProcess
 from dsec.errors import DsecError
 from dsec.wire.spec import SandboxSpec
+
+if TYPE_CHECKING:
+    from dsec.edge.backends.container import ContainerBackend
 
 pytestmark = pytest.mark.root
 
@@ -602,3 +606,18 @@ def test_unbound_empty_dsec_cgroups_go_once_old_enough(tmp_path: Path) -> None:
                     break
                 except OSError:
                     _t.sleep(0.01)
+
+
+async def test_reconcile_claims_the_cgroup_name_back_from_a_dead_claimer(
+        backend: ContainerBackend) -> None:
+    """As the vm tier's test of the same name: the backend reconciling its root at
+    start re-claims its cgroup name, so a dead process's claim no longer lets any
+    container edge's start sweep this one's empty cgroups (census.idle_names)."""
+    from dsec.edge.backends.container.census import NAMES_DIR, _binding, process_identity
+
+    name = backend.cgroup_name
+    with open(os.path.join(NAMES_DIR, name), "w") as f:   # noqa: ASYNC230
+        f.write(f"{backend.root_dir}\n999999 1\n")
+    assert _binding(NAMES_DIR, name) == (backend.root_dir, "999999 1")
+    await backend.reconcile(set())
+    assert _binding(NAMES_DIR, name) == (backend.root_dir, process_identity(os.getpid()))

@@ -191,7 +191,11 @@ _EDGE = """
 import asyncio, os, signal, sys
 from dsec.edge.backends.container.images import StoreImages
 from dsec.edge.backends.vm import agentproto as ap
+import dsec.edge.backends.vm.backend as vmb
 from dsec.edge.backends.vm.backend import VmBackend
+# the test's own backend (same root) holds the cgroup name: this edge, killed
+# below, must not take it over (a dead claimer's empty cgroups get swept)
+vmb.claim_cgroup_name = lambda *a, **k: None
 from dsec.image import LayerStore, MountCache
 from dsec.wire.spec import SandboxSpec
 async def main():

@@ -152,7 +152,11 @@ def test_scratch_is_reserved_and_a_disk_beyond_the_filesystem_is_refused(
 _EDGE = """
 import asyncio, os, signal, sys
 from dsec.edge.backends.container.images import StoreImages
+import dsec.edge.backends.vm.backend as vmb
 from dsec.edge.backends.vm.backend import VmBackend
+# the test's own backend (same root) holds the cgroup name: this edge, killed
+# below, must not take it over (a dead claimer's empty cgroups get swept)
+vmb.claim_cgroup_name = lambda *a, **k: None
 from dsec.image import LayerStore, MountCache
 from dsec.wire.spec import SandboxSpec
 root, store, kernel, initrd, sid = sys.argv[1:6]
@@ -175,8 +179,17 @@ asyncio.run(main())
 """
 
 
+@pytest.mark.parametrize("cgroups_swept", [False, True], ids=["cgroups-kept", "cgroups-swept"])
 async def test_edge_killed_after_the_memory_file_adopts_the_sandbox_paused(
-        vm_backend: VmBackend, vm_store: Any, boot_files: tuple[str, str]) -> None:
+        vm_backend: VmBackend, vm_store: Any, boot_files: tuple[str, str],
+        cgroups_swept: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``cgroups-swept``: a paused VM has no process in its cgroups, so a host reboot or
+    a container edge started while this edge was down (census.idle_names sweeps the
+    empty cgroups of a name whose claimer died) removes them. CI failed exactly so:
+    the killed edge had taken the name over, another worker's start swept the paused
+    sandbox's cgroups, and the resume's QEMU could not join them ("Exception occurred
+    in preexec_fn"). The resume makes them again, limits and all. (The killed edge
+    here no longer claims the name; a restarted edge re-claims it at reconcile.)"""
     b = vm_backend
     sid = SandboxId("sb-fxvm2-savedpause")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
@@ -189,11 +202,31 @@ async def test_edge_killed_after_the_memory_file_adopts_the_sandbox_paused(
     with open(os.path.join(d, "vm.json"), "rb") as f:  # noqa: ASYNC230
         assert not msgspec.json.decode(f.read(), type=_Record).paused
     assert not b._qemu_pids().get(sid)
+    if cgroups_swept:
+        swept = b.governor.paths(sid)
+        assert b.governor.exists(swept)
+        b.governor.remove(swept)
+        assert not any(os.path.isdir(x) for x in swept.dirs.values())
     assert await b.adopt(sid, SPEC)
     assert b._vms[sid].rec.paused
     await b.reconcile({sid})
+    if cgroups_swept:
+        # QEMU failing to join a missing cgroup says so (was: "Exception occurred in
+        # preexec_fn"), and the failed resume loses nothing: still paused, resumable
+        with monkeypatch.context() as m:
+            m.setattr(b.governor, "exists", lambda cg: True)
+            with pytest.raises(BackendError, match="joining its cgroup failed"):
+                await b.resume(sid)
+        assert b._vms[sid].rec.paused and os.path.exists(os.path.join(d, "mem.bin"))
     await b.resume(sid)
     assert await b.read_file(sid, "/root/mine") == b"1"
+    cg = b._vms[sid].cg
+    assert b.governor.exists(cg)
+    assert b.governor.pids(cg)                          # QEMU runs inside them
+    limit = os.path.join(cg.dirs["unified"], "memory.max") if cg.version == 2 else \
+        os.path.join(cg.dirs["memory"], "memory.limit_in_bytes")
+    with open(limit) as f:  # noqa: ASYNC230
+        assert int(f.read()) < 1 << 40                  # the limit was written again
 
 
 def test_a_uid_claim_appears_whole_and_a_torn_one_is_freed(bare: VmBackend) -> None:
@@ -293,3 +326,26 @@ async def test_an_answered_resume_never_comes_back_paused(
     assert not os.path.exists(mem) and not vm.rec.paused
     gone = calls.index(("unlink", os.path.realpath(mem)))
     assert ("fsync", os.path.realpath(vm.dir)) in calls[gone + 1:], calls
+
+
+async def test_reconcile_claims_the_cgroup_name_back_from_a_dead_claimer(
+        bare: VmBackend) -> None:
+    """An edge killed after another process on its root claimed the name (a start that
+    died) left the binding to a dead claimer: any container edge's start then swept
+    this backend's empty cgroups (census.idle_names) - a paused VM's, its base. The
+    backend reconciling the root at start takes the name back."""
+    from dsec.edge.backends.container.census import (
+        NAMES_DIR,
+        _binding,
+        idle_names,
+        process_identity,
+    )
+
+    name = bare.governor.name
+    with open(os.path.join(NAMES_DIR, name), "w") as f:   # noqa: ASYNC230
+        f.write(f"{bare.root_dir}\n999999 1\n")            # a claimer that is dead
+    bound = _binding(NAMES_DIR, name)
+    assert bound is not None
+    assert idle_names({name: bound}, exists=os.path.isdir, alive=lambda o: False) == [name]
+    await bare.reconcile(set())
+    assert _binding(NAMES_DIR, name) == (bare.root_dir, process_identity(os.getpid()))

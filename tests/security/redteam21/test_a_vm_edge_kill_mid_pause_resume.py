@@ -41,7 +41,11 @@ SPEC = SandboxSpec(image="base", memory_bytes=128 << 20, disk_bytes=32 << 20, ba
 _EDGE = """
 import asyncio, os, signal, sys
 from dsec.edge.backends.container.images import StoreImages
+import dsec.edge.backends.vm.backend as vmb
 from dsec.edge.backends.vm.backend import VmBackend
+# the test's own backend (same root) holds the cgroup name: this edge, killed
+# below, must not take it over (a dead claimer's empty cgroups get swept)
+vmb.claim_cgroup_name = lambda *a, **k: None
 from dsec.image import LayerStore, MountCache
 from dsec.wire.spec import SandboxSpec
 root, store, kernel, initrd, mode, sid = sys.argv[1:7]

@@ -790,6 +790,7 @@ class FncallBackend:
         self.root = os.path.abspath(root)
         ownership.claim(self.root)
         self.governor: Governor | None = None
+        self._claimed: str | None = None       # the cgroup name _make_governor claimed
         self._own_parents: list[str] = []
         self.disk: DiskPool | None = None
         self.max_sandbox_pids = max_sandbox_pids
@@ -865,6 +866,7 @@ class FncallBackend:
         name = cgroup_name or "fncall-" + hashlib.sha1(self.root.encode()).hexdigest()[:10]
         # one root per cgroup name: reconcile takes every cgroup under it for its own
         claim_cgroup_name(name, self.root)
+        self._claimed = name
         gov = Governor(name=name, favor_dynmods=linux.remount)
         try:
             gov.limit_total_pids(total)
@@ -1158,6 +1160,12 @@ class FncallBackend:
         workers of a dead edge died with its zygote (PR_SET_PDEATHSIG); what a call left
         running is found by its sandbox's cgroup, never by a pid number or a cwd. Unjailed
         workers are found by their cwd under the root and killed by process group."""
+        # The backend reconciling this root at start owns its cgroup name (again): an
+        # edge killed after another process on the same root re-claimed it left the
+        # binding to a dead claimer, and any container edge's start then swept this
+        # one's empty cgroups - a paused VM's, an idle base (CI: census.idle_names).
+        if self._claimed is not None:
+            await asyncio.to_thread(claim_cgroup_name, self._claimed, self.root)
         out = []
         if self.disk is not None and self.governor is not None:
             earlier = await self._reclaim_earlier_parents()

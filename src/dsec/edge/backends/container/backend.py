@@ -1727,6 +1727,11 @@ class ContainerBackend:
         their directory (runc rootfs, an old disk tmpfs), their disk subvolume, runc state
         and the directory. The node
         calls this at start, after adoption; returns what was removed, one per sandbox."""
+        # The backend reconciling this root at start owns its cgroup name (again): an
+        # edge killed after another process on the same root re-claimed it left the
+        # binding to a dead claimer, and any container edge's start then swept this
+        # one's empty cgroups - a paused VM's, an idle base (CI: census.idle_names).
+        await asyncio.to_thread(claim_cgroup_name, self.cgroup_name, self.root_dir)
         census = self.census()
         out = []
         for sid in sorted(census.sandboxes()):

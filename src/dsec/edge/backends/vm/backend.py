@@ -331,6 +331,8 @@ class VmBackend:
             # reap_orphan_names) - an idle vm tier lost its base (and its pids total)
             # and its next create failed; two roots sharing a name are refused
             claim_cgroup_name(name, self.root_dir)
+        #: the cgroup name this backend claimed (None: the caller's governor, unclaimed)
+        self._claimed = name if governor is None else None
         self.governor = governor or Governor(name=name)
         # all QEMUs together within the tier's share of the node's pid budget, as the
         # other tiers (governor.TIER_PIDS_WEIGHTS; red team 21, A5: none was set here)
@@ -749,24 +751,37 @@ class VmBackend:
             uid = vm.rec.uid
 
             def child() -> None:  # after fork, before exec: os calls only
-                for p in procs:
-                    fd = os.open(p, os.O_WRONLY)
-                    os.write(fd, b"0")
-                    os.close(fd)
-                os.setgroups([])
-                os.setresgid(uid, uid, uid)
-                os.setresuid(uid, uid, uid)
+                step = "joining its cgroup"
+                try:
+                    for p in procs:
+                        fd = os.open(p, os.O_WRONLY)
+                        os.write(fd, b"0")
+                        os.close(fd)
+                    step = f"dropping to uid {uid}"
+                    os.setgroups([])
+                    os.setresgid(uid, uid, uid)
+                    os.setresuid(uid, uid, uid)
+                except OSError as exc:
+                    # subprocess reports only "Exception occurred in preexec_fn": say
+                    # which step failed in qemu.err (fd 2 here), read back below
+                    os.write(2, f"dsec: before QEMU's exec, {step} failed: "
+                                f"{exc}\n".encode())
+                    raise
 
             # preexec_fn after fork in a threaded process: child() calls only async-signal
             # safe os functions (no locks, no allocation-heavy Python code paths)
             err = os.open(os.path.join(d, "qemu.err"),
                           os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
             fds.append(err)
-            vm.popen = subprocess.Popen(
-                qemu_argv(spec), pass_fds=spec.fds(),
-                preexec_fn=child,  # noqa: PLW1509
-                start_new_session=True,
-                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err)
+            try:
+                vm.popen = subprocess.Popen(
+                    qemu_argv(spec), pass_fds=spec.fds(),
+                    preexec_fn=child,  # noqa: PLW1509
+                    start_new_session=True,
+                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err)
+            except subprocess.SubprocessError as exc:
+                raise BackendError(f"sandbox {vm.sid}: QEMU could not be started: "
+                                   f"{self._qemu_error(vm) or exc}") from exc
             vm.expected_exit = False
             vm.rec.pid = vm.popen.pid
             vm.rec.start = start_time(vm.popen.pid) or 0
@@ -1531,6 +1546,14 @@ class VmBackend:
             raise Conflict(f"sandbox {sid} is paused but QEMU {live} of it still runs on "
                            "the host (an interrupted resume); restart the edge to adopt "
                            "or remove it", sandbox_id=sid)
+        # A paused VM has no process in its cgroups, so they can be gone while it
+        # sleeps: a host reboot, or the empty-cgroup sweep of a container edge started
+        # while this edge was down (census.idle_names). QEMU would then fail to join
+        # them (CI saw "Exception occurred in preexec_fn"): made again, limits and all.
+        if not self.governor.exists(vm.cg):
+            await asyncio.to_thread(self.governor.remove, vm.cg)   # any part left
+            vm.cg = await asyncio.to_thread(
+                self.governor.create, sid, self._limits(vm.spec, vm.rec.memory_mib))
         await self._start(vm, incoming=mem)
         assert vm.link is not None
         if vm.rec.boot_id and vm.link.hello_reply.boot_id != vm.rec.boot_id:
@@ -1802,6 +1825,12 @@ class VmBackend:
         return out
 
     async def reconcile(self, keep: AbstractSet[str]) -> list[Leftover]:
+        # The backend reconciling this root at start owns its cgroup name (again): an
+        # edge killed after another process on the same root re-claimed it left the
+        # binding to a dead claimer, and any container edge's start then swept this
+        # one's empty cgroups - a paused VM's, an idle base (CI: census.idle_names).
+        if self._claimed is not None:
+            await asyncio.to_thread(claim_cgroup_name, self._claimed, self.root_dir)
         names = set()
         with contextlib.suppress(FileNotFoundError):
             names = {e.name for e in os.scandir(os.path.join(self.root_dir, "sb"))}
