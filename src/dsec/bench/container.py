@@ -63,7 +63,13 @@ async def _run(ctx: BenchContext, work: str) -> None:
                              # DSEC_BENCH_DENSITY_LAZY_DEVPTS=1: the opt-in third cut
                              # (docs/container.md, Density): no devpts until a pty exec
                              lazy_devpts=os.environ.get("DSEC_BENCH_DENSITY_LAZY_DEVPTS",
-                                                        "0") == "1")
+                                                        "0") == "1",
+                             # DSEC_BENCH_DENSITY_MEMORY_GROUP=k: the opt-in isolation
+                             # trade (docs/container.md, Memory groups): k sandboxes of
+                             # a project per memory cgroup (the native driver only)
+                             memory_group_size=int(os.environ.get(
+                                 "DSEC_BENCH_DENSITY_MEMORY_GROUP") or 1)
+                             if runtime == "native" else 1)
         try:
             warm = new_sandbox_id(node)
             await b.create(warm, spec)
@@ -279,7 +285,8 @@ async def _density(ctx: BenchContext, b: object, spec: SandboxSpec, node: NodeId
         cg = est = 0
         for s in made:
             st = await b.stats(s)
-            cg += st.memory_bytes
+            # (a memory group's figures are the group's: a member's share counted once)
+            cg += st.memory_bytes // max(1, st.memory_group_members)
             est += st.memory_host_bytes
         m = max(1, len(made))
         kern = {k: (k1[k] - k0[k]) / m for k in k1}
@@ -306,6 +313,7 @@ async def _density(ctx: BenchContext, b: object, spec: SandboxSpec, node: NodeId
         k2 = _kernel_kib()
         ctx.record("density_sandboxes", len(made), "sandboxes", n=n, answering=ok,
                    superblocks_per_sandbox=_superblocks(b),
+                   memory_group_size=b.memory_group_size,
                    create_errors=errors["create"], exec_errors=errors["exec"],
                    create_s=round(t_create, 2), creates_per_s=round(len(made) / t_create, 1),
                    stopped_at_low_memory=low[0] if low else None,
@@ -316,6 +324,7 @@ async def _density(ctx: BenchContext, b: object, spec: SandboxSpec, node: NodeId
                    exec_p50_ms=round(_pct(lat, 50) * 1e3, 2) if lat else None,
                    exec_p99_ms=round(_pct(lat, 99) * 1e3, 2) if lat else None)
         ctx.record("density_host_memory_per_sandbox", used / m / 1024, "KiB", n=n,
+                   memory_group_size=b.memory_group_size,
                    slab_kib=round(kern["Slab"], 1), unreclaimable_slab_kib=round(kern["SUnreclaim"], 1),
                    percpu_kib=round(kern["Percpu"], 1),
                    kernel_stack_kib=round(kern["KernelStack"], 1),

@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Literal
 
+from dsec.edge.memgroups import is_group_name
 from dsec.edge.qos import IoLimits, io_writes
 from dsec.errors import BackendError, InvalidArgument
 from dsec.rmtree import unescape_mountinfo
@@ -158,6 +159,10 @@ class Limits:
     cpus: str | None = None
     # block I/O throttle: (device "major:minor", IoLimits); None: none
     io: tuple[str, IoLimits] | None = None
+    # v1: the memory group (a memory cgroup shared with other sandboxes of its project
+    # and class, dsec.edge.memgroups) instead of a memcg of its own;
+    # its memory limits are then the group's (set_group_memory), not written here
+    memory_group: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,6 +197,9 @@ class SandboxCgroup:
 
     version: CgroupVersion
     dirs: dict[str, str] = field(default_factory=dict)
+    #: controllers whose dir other sandboxes share (v1 "memory" in a memory group): never
+    #: removed with the sandbox, never limited as the sandbox's own
+    shared: tuple[str, ...] = ()
 
     @property
     def procs_files(self) -> list[str]:
@@ -698,16 +706,73 @@ class Governor:
         return self._home_procs
 
     # -- per sandbox -----------------------------------------------------------------
-    def paths(self, sid: str, qos: Literal["ls", "be"] | None = None) -> SandboxCgroup:
+    def paths(self, sid: str, qos: Literal["ls", "be"] | None = None,
+              memory_group: str | None = None) -> SandboxCgroup:
         """The sandbox's cgroup dirs. v1: a best-effort sandbox's cpu cgroup is under
         :attr:`CgroupLayout.be_cpu`; ``qos`` None (a caller that does not know the
-        class, e.g. cleaning up after a crash) looks for it there first."""
+        class, e.g. cleaning up after a crash) looks for it there first. With
+        ``memory_group`` its memory cgroup is the group's (v1 only)."""
         dirs = {c: os.path.join(b, sid) for c, b in self.layout.bases.items()}
         if self.layout.be_cpu and "cpu" in dirs:
             be = os.path.join(self.layout.be_cpu, sid)
             if qos == "be" or (qos is None and os.path.isdir(be)):
                 dirs["cpu"] = be
-        return SandboxCgroup(self.version, dirs)
+        if memory_group is None:
+            return SandboxCgroup(self.version, dirs)
+        if self.version != 1 or "memory" not in dirs:
+            raise BackendError("memory groups need the cgroup v1 memory hierarchy (on v2 a "
+                               "sandbox's cgroup holds every controller: not built)")
+        dirs["memory"] = os.path.join(self.layout.bases["memory"], memory_group)
+        return SandboxCgroup(self.version, dirs, ("memory",))
+
+    def set_group_memory(self, group_dir: str, limit_bytes: int, *,
+                         soft_bytes: int) -> bool:
+        """Set a memory group's limit (v1 ``memory.limit_in_bytes``, and ``memsw`` to the
+        same: no swap beyond it) and soft limit. Raising writes memsw first, lowering
+        the limit first (v1 refuses memsw below the limit). False if the kernel could
+        not lower it (EBUSY: the group holds more than the new limit and reclaim could
+        not free it) - the old limit stays, a later call tries again."""
+        limit = os.path.join(group_dir, "memory.limit_in_bytes")
+        files = [limit]
+        if self.layout.memsw:
+            memsw = os.path.join(group_dir, "memory.memsw.limit_in_bytes")
+            if int(_read(limit)) < limit_bytes:
+                files.insert(0, memsw)
+            else:
+                files.append(memsw)
+        try:
+            for f in files:
+                _write(f, str(limit_bytes))
+        except OSError as exc:
+            if exc.errno != errno.EBUSY:
+                raise
+            return False
+        _write(os.path.join(group_dir, "memory.soft_limit_in_bytes"), str(soft_bytes))
+        return True
+
+    def remove_group(self, name: str) -> bool:
+        """rmdir a memory group's cgroup (called when its last member has gone); False
+        if a task is still in it (EBUSY: kept, the census tries again)."""
+        try:
+            os.rmdir(os.path.join(self.layout.bases["memory"], name))
+        except FileNotFoundError:
+            return True
+        except OSError as exc:
+            if exc.errno != errno.EBUSY:
+                raise
+            return False
+        return True
+
+    def list_groups(self) -> list[str]:
+        """Names of the memory groups' cgroups under this edge's memory parent (v1)."""
+        base = self.layout.bases.get("memory")
+        if base is None:
+            return []
+        try:
+            return sorted(e.name for e in os.scandir(base)
+                          if e.is_dir() and is_group_name(e.name))
+        except FileNotFoundError:
+            return []
 
     def _be_parent(self) -> None:
         """mkdir (if missing) the v1 best-effort cpu parent and (re)write its class:
@@ -756,7 +821,7 @@ class Governor:
 
     def create(self, sid: str, limits: Limits) -> SandboxCgroup:
         """mkdir the sandbox's cgroups and apply ``limits``; on failure remove them."""
-        cg = self.paths(sid, limits.qos)
+        cg = self.paths(sid, limits.qos, limits.memory_group)
         cpus = self._cpus_of(limits)   # refusals first: nothing made yet
         if limits.io is not None and not self.blkio:
             raise BackendError("sandbox has I/O limits but this governor does not manage "
@@ -764,11 +829,15 @@ class Governor:
         try:
             if limits.qos == "be" and self.layout.be_cpu:
                 self._be_parent()
-            for d in cg.dirs.values():
-                os.mkdir(d)
+            for ctrl, d in cg.dirs.items():
+                if ctrl in cg.shared:
+                    os.makedirs(d, exist_ok=True)   # the group's: made by its first member
+                else:
+                    os.mkdir(d)
             for ctrl, fname, value in limit_writes(self.version, limits,
                                                    memsw=self.layout.memsw):
-                _write(os.path.join(cg.dirs[ctrl], fname), value)
+                if ctrl not in cg.shared:
+                    _write(os.path.join(cg.dirs[ctrl], fname), value)
             self._apply_qos(cg, limits, cpus=cpus)
             if limits.io is not None:
                 for ctrl, fname, value, _ in io_writes(self.version, *limits.io):
@@ -804,6 +873,8 @@ class Governor:
                 cg.version, limits.qos, cpu_milli=limits.cpu_milli,
                 memory_bytes=limits.memory_bytes, cpu_quota_milli=limits.cpu_quota_milli,
                 cpus=cpus, mems=mems):
+            if ctrl in cg.shared:
+                continue          # a memory group's soft limit: set_group_memory
             d = cg.dirs.get(ctrl)
             if d is None or (optional and not os.path.exists(os.path.join(d, fname))):
                 if optional:
@@ -1126,7 +1197,9 @@ class Governor:
         to ``wait_s`` for exiting tasks to leave (rmdir answers EBUSY while a task is
         still inside); idempotent."""
         deadline = time.monotonic() + wait_s
-        for top in cg.dirs.values():
+        for ctrl, top in cg.dirs.items():
+            if ctrl in cg.shared:
+                continue          # a memory group's: removed with its last member
             for d in reversed(_subtree(top)):
                 while True:
                     try:
@@ -1188,7 +1261,8 @@ class Governor:
         names: set[str] = set()
         for base in [*self.layout.bases.values(), *filter(None, [self.layout.be_cpu])]:
             try:
-                names.update(e.name for e in os.scandir(base) if e.is_dir())
+                names.update(e.name for e in os.scandir(base)
+                             if e.is_dir() and not is_group_name(e.name))
             except FileNotFoundError:
                 pass
         return sorted(names)

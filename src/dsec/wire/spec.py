@@ -1096,6 +1096,11 @@ class SandboxStats(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True
     memory_rss_bytes: int = 0
     memory_cache_bytes: int = 0
     memory_shm_bytes: int = 0
+    #: issue 22, opt-in memory groups: the memory cgroup this sandbox shares with
+    #: ``memory_group_members - 1`` others of its project ("" for its own). Then every
+    #: memory_* figure above, and memory_limit_bytes, is the group's
+    memory_group: str = ""
+    memory_group_members: int = 0
 
 
 class SnapshotInfo(msgspec.Struct, kw_only=True, omit_defaults=True):

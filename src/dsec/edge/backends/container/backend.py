@@ -103,6 +103,7 @@ from dsec.edge.governor import (
     pids_budget,
     sandbox_pids,
 )
+from dsec.edge.memgroups import MemoryGroup, MemoryGroups, is_group_name
 from dsec.edge.notices import NoticeLimiter
 from dsec.edge.qos import (
     CpuSuppressor,
@@ -252,6 +253,7 @@ class ContainerBackend:
                  lazy_devpts: bool | str = False,
                  helper_idle_s: float | None = 60.0,
                  be_cpu_threshold: float | str | None = 0.65,
+                 memory_group_size: int | str = 1,
                  clock: Callable[[], float] = time.time) -> None:
         """``max_sandbox_pids``: the most tasks one sandbox may have; a spec asking for more
         is refused, ``pids_max=None`` ("no cap") gets this. ``pids_headroom``: pids kept
@@ -325,6 +327,14 @@ class ContainerBackend:
         1.20x with it (four runs); the price is BE's: at most 65 % of an idle node, next to nothing
         of a busy one (docs/container.md "BE suppression"). None or 0: off - BE takes
         every cycle SCHED_IDLE gives it.
+        ``memory_group_size``: 1 (default): every sandbox has a memory cgroup of its own.
+        k >= 2 (opt-in density trade, native driver on cgroup v1): up to k sandboxes of
+        one project and QoS class share one memory cgroup whose limit is the sum of
+        theirs - a k-th of the memory cgroups, so a k-th of the host's per-memcg
+        shrinker maps (the largest per-sandbox cost at 10,000, docs/container.md
+        "Memory groups"); the trade: a sandbox may use memory its group-mates leave
+        unused, and at the group's limit the OOM killer may pick a process of any of
+        them. Nothing else is shared (:mod:`dsec.edge.memgroups`).
         ``runsc_binary``, ``gvisor_platform``: gVisor's runsc and its platform for
         ``runtime="runsc"`` (None: probed once per node, see :mod:`.runsc`)."""
         if isinstance(be_cpu_threshold, str):   # (refused before anything is made)
@@ -340,6 +350,21 @@ class ContainerBackend:
         if runtime not in RUNTIME_NAMES:
             raise InvalidArgument(f"container runtime {runtime!r} is unknown; use 'native', "
                                   "'runc' or 'runsc'", field="runtime")
+        try:   # `dsec edge --backend-opt` gives strings (refused before anything is made)
+            memory_group_size = int(memory_group_size)
+        except ValueError:
+            raise InvalidArgument(f"memory_group_size {memory_group_size!r} is not a whole "
+                                  "number (1: a memory cgroup per sandbox; k >= 2: up to k "
+                                  "sandboxes of a project share one)",
+                                  field="memory_group_size") from None
+        if memory_group_size < 1:
+            raise InvalidArgument(f"memory_group_size={memory_group_size} must be at least 1 "
+                                  "(1: a memory cgroup per sandbox)", field="memory_group_size")
+        if memory_group_size > 1 and runtime != "native":
+            raise InvalidArgument("memory groups are made by the native driver's cgroups; "
+                                  f"runtime {runtime!r} makes its own - leave "
+                                  "memory_group_size at 1 or use runtime 'native'",
+                                  field="memory_group_size")
         if runtime != "native" and (qos_cpus is not None or qos_io is not None):
             # runc makes its own cgroups from config.json; these node policies are
             # applied by the governor, which only the native driver's cgroups go through
@@ -390,6 +415,16 @@ class ContainerBackend:
                                                  favor_dynmods=linux.remount,
                                                  cpuset=qos_cpus is not None,
                                                  blkio=qos_io is not None)
+            if memory_group_size > 1 and (self.governor.version != 1
+                                          or "memory" not in self.governor.layout.bases):
+                raise InvalidArgument(
+                    "memory groups need the cgroup v1 memory hierarchy (on cgroup v2 a "
+                    "sandbox's cgroup holds every controller; sharing its memory is not "
+                    "built) - leave memory_group_size at 1", field="memory_group_size")
+            #: memory groups (issue 22 density trade; size 1: none is made, but groups an
+            #: earlier edge made are still tracked for their members' adopt and teardown)
+            self.memory_group_size = memory_group_size
+            self._memgroups = MemoryGroups(max(2, memory_group_size))
             #: CPU pinning per QoS class (issue 22; None: none)
             self.qos_cpus = None if qos_cpus is None else parse_class_cpus(
                 qos_cpus, parse_cpulist(self.governor.node_cpus))
@@ -698,10 +733,21 @@ class ContainerBackend:
             else:
                 cpus = None if self.qos_cpus is None else self.qos_cpus.of(qos_of(spec))
                 io = self.qos_io.get(qos_of(spec))
-                cg = self.governor.create(sid, Limits(
-                    spec.cpu_milli, spec.memory_bytes, pids, qos_of(spec),
-                    spec.cpu_quota_milli, cpus,
-                    None if io is None else (self.io_device, io)))
+                group = self._memgroups.join(sid, spec.project or "", qos_of(spec),
+                                             spec.memory_bytes) \
+                    if self.memory_group_size > 1 else None
+                try:
+                    cg = self.governor.create(sid, Limits(
+                        spec.cpu_milli, spec.memory_bytes, pids, qos_of(spec),
+                        spec.cpu_quota_milli, cpus,
+                        None if io is None else (self.io_device, io),
+                        memory_group=None if group is None else group.name))
+                    if group is not None:    # raised before the member's first task joins
+                        self._set_group_limit(group)
+                except BaseException:
+                    if group is not None:
+                        self._leave_memory_group(sid)
+                    raise
             box = Box(sid, spec, d, cg, layers, upper=upper, work=work, pids_max=pids,
                        disk_cap=cap, disk_q=self.disk.qgroup_dir(sid))
             self._boxes[sid] = box
@@ -1145,12 +1191,70 @@ class ContainerBackend:
         if not box.dying:
             self._check_oom(box, report=True)
 
+    # -- memory groups (opt-in, dsec.edge.memgroups) ------------------------------------
+    def _group_dir(self, g: MemoryGroup) -> str:
+        return os.path.join(self.governor.layout.bases["memory"], g.name)
+
+    def _set_group_limit(self, g: MemoryGroup) -> None:
+        """The group's limit to the sum of its members' (raised before a new member's
+        first task joins; lowered after a leaving one's tasks are dead). A lowering the
+        kernel refuses (the group holds more) keeps the old limit until the next change."""
+        soft = 0 if g.key[1] == "be" else g.limit_bytes
+        if not self.governor.set_group_memory(self._group_dir(g), g.limit_bytes,
+                                              soft_bytes=soft):
+            log.info("memory group %s holds more than its members' new total of %d "
+                     "bytes: its limit stays higher until its next change", g.name,
+                     g.limit_bytes)
+
+    def _leave_memory_group(self, sid: str) -> None:
+        """``sid`` leaves its memory group (if any); its last member removes the group's
+        cgroup. On the loop with no await between: no create joins it meanwhile."""
+        g = self._memgroups.leave(sid)
+        if g is None:
+            return
+        try:
+            if g.members:
+                self._set_group_limit(g)
+            elif self.governor.remove_group(g.name):
+                self._memgroups.drop(g.name)
+            else:
+                log.warning("memory group %s has no member left but still holds tasks; "
+                            "kept (reconcile removes it once empty)", g.name)
+                self._memgroups.drop(g.name)
+        except OSError as exc:
+            log.warning("memory group %s after sandbox %s left: %s", g.name, sid, exc)
+
+    def _memory_limit(self, box: Box) -> int:
+        """The memory limit that binds ``box``: its own, or its memory group's."""
+        g = self._memgroups.group_of(box.sid)
+        return box.spec.memory_bytes if g is None else g.limit_bytes
+
     def _check_oom(self, box: Box, *, report: bool) -> bool:
-        """True if the OOM killer killed something in ``box`` since the last check."""
+        """True if the OOM killer killed something in ``box`` since the last check. In a
+        memory group the counter is the group's: a kill is reported once, by the member
+        that sees it first, saying the victim may be any member's."""
         kills = self.governor.oom_kills(box.cg)
-        if kills <= box.oom_seen:
+        g = self._memgroups.group_of(box.sid)
+        seen = box.oom_seen if g is None else max(box.oom_seen, g.oom_seen)
+        box.oom_seen = max(box.oom_seen, kills)
+        if kills <= seen:
             return False
-        n, box.oom_seen = kills - box.oom_seen, kills
+        n = kills - seen
+        if g is not None:
+            g.oom_seen = kills
+            if report:
+                held = memory_held(box.cg.version, self.governor.memory_stat(box.cg))
+                others = sorted(m for m in g.members if m != box.sid)
+                self._notice(box, "oom_kill", (
+                    f"the OOM killer killed {n} process(es) in memory group {g.name}, "
+                    f"which hit its limit of {g.limit_bytes} bytes (the sum of its "
+                    f"{len(g.members)} sandboxes' memory_bytes; at the kill the group held "
+                    f"rss={held.rss} cache={held.cache} shm={held.shm} bytes). The victim "
+                    f"may be in this sandbox or in {', '.join(others) or 'none other'} "
+                    "(memory_group_size > 1 shares one limit: docs/container.md 'Memory "
+                    "groups'); the sandbox itself is still running"))
+                self._check_tmpfs(box)
+            return True
         if report:
             # what the sandbox held right then, by kind (issue 22): which kind to cut
             held = memory_held(box.cg.version, self.governor.memory_stat(box.cg))
@@ -1198,7 +1302,7 @@ class ContainerBackend:
 
     def _memory_room(self, box: Box) -> tuple[int, str]:
         """Bytes ``box``'s memory limit has left (for writes into its tmpfs)."""
-        limit = box.spec.memory_bytes
+        limit = self._memory_limit(box)
         try:
             used = self.governor.memory_usage(box.cg)
         except (OSError, ValueError):
@@ -1232,7 +1336,7 @@ class ContainerBackend:
         no OOM kill frees them) hold most of the memory limit, every new process will be
         OOM-killed too - the sandbox is wedged though "running". Say so, and how out."""
         held = self.governor.memory_shmem(box.cg)
-        limit = box.spec.memory_bytes
+        limit = self._memory_limit(box)
         if held * 2 < limit:
             return
         self._notice(box, "tmpfs_full", (
@@ -1340,6 +1444,11 @@ class ContainerBackend:
             await self._teardown(sid, d, None, None)
             return False
         cg = SandboxCgroup(rec.cgroup_version, dict(rec.cgroup_dirs))  # type: ignore[arg-type]
+        group = os.path.basename(cg.dirs.get("memory", ""))
+        if is_group_name(group):   # in a memory group: tracked whatever this edge's size
+            cg = SandboxCgroup(cg.version, cg.dirs, ("memory",))
+            self._memgroups.adopt(sid, group, spec.project or "", qos_of(spec),
+                                  spec.memory_bytes)
         layers = RootLayers(tuple(rec.lowerdirs))
         try:
             layers = await self._acquire_layers(spec)
@@ -1376,6 +1485,10 @@ class ContainerBackend:
         box.paused = self.governor.is_frozen(cg)
         box.oom_seen = self.governor.oom_kills(cg)
         box.pids_seen = self.governor.pids_limit_hits(cg)
+        g = self._memgroups.group_of(sid)
+        if g is not None:
+            g.oom_seen = max(g.oom_seen, box.oom_seen)
+            self._set_group_limit(g)
         self._boxes[sid] = box
         self._peak_boxes = max(self._peak_boxes, len(self._boxes))
         self._watch_box(box)
@@ -1548,6 +1661,9 @@ class ContainerBackend:
         except BackendError as exc:
             errors.append(str(exc))
             cgroup_gone = False
+        # its tasks are dead (or reported above): the group's limit shrinks by its share,
+        # and a group it was the last member of goes
+        self._leave_memory_group(sid)
         if self.network is not None:
             # Reused only when no process of the sandbox can be left to hold a socket in
             # its netns: the cgroup every one of them was in is gone (else dropped).
@@ -1745,6 +1861,23 @@ class ContainerBackend:
                 log.exception("leftovers of sandbox %s: removal raised", sid)
                 out.append(Leftover(sid, self._kind, f"{census.describe(sid)}; could not "
                                     f"remove it: {type(exc).__name__}: {exc}"))
+        # memory groups no live sandbox is in (their members' leftovers are gone above:
+        # an empty group cgroup is only a cost - a memcg and its shrinker map)
+        for gdir in sorted(census.memory_groups):
+            name = os.path.basename(gdir)
+            g = self._memgroups.groups.get(name)
+            if g is not None and g.members:
+                continue
+            try:
+                emptied = await asyncio.to_thread(_rmdir_if_empty, gdir)
+            except OSError as exc:
+                emptied = False
+                log.warning("memory group cgroup %s: %s", gdir, exc)
+            if emptied:
+                self._memgroups.drop(name)
+            else:
+                log.warning("memory group cgroup %s holds tasks of no sandbox this edge "
+                            "has; kept", gdir)
         if self.network is not None:
             # after the census: the leftovers' processes (holding their slots' netns)
             # are dead, so their router links go (plan-14 §9.2)
@@ -2481,6 +2614,14 @@ class ContainerBackend:
             except OSError as exc:
                 raise BackendError(f"cannot freeze sandbox {sid}: {exc}") from exc
             box.paused = True
+        g = self._memgroups.group_of(sid)
+        if g is not None and not all(
+                (m := self._boxes.get(other)) is not None and m.paused for other in g.members):
+            # the group's memory is also running members': nothing is pushed out until
+            # every member is paused (then the last pause reclaims the group)
+            used = self.governor.memory_usage(box.cg)
+            return PauseStats(resident_before_bytes=used, reclaimed_bytes=0,
+                              duration_s=time.monotonic() - t0)
         before, after = await asyncio.to_thread(self.governor.reclaim, box.cg)
         return PauseStats(resident_before_bytes=before, reclaimed_bytes=max(0, before - after),
                           duration_s=time.monotonic() - t0)
@@ -2511,10 +2652,11 @@ class ContainerBackend:
             disk = await asyncio.to_thread(_tree_bytes, self.upper_dir(sid))
         rx, tx = (None, None) if box.dying else net_bytes(box.init_pid)
         held = memory_held(box.cg.version, self.governor.memory_stat(box.cg))
+        g = self._memgroups.group_of(sid)
         return SandboxStats(memory_bytes=mem, memory_peak_bytes=peak, cpu_seconds=cpu,
                             pids=pids, disk_bytes=disk, disk_cap_bytes=cap, disk_full=full,
                             memory_tmpfs_bytes=self.governor.memory_shmem(box.cg),
-                            memory_limit_bytes=box.spec.memory_bytes,
+                            memory_limit_bytes=self._memory_limit(box),
                             pids_max=box.spec.pids_max, net_rx_bytes=rx, net_tx_bytes=tx,
                             oom_kills=self.governor.oom_kills(box.cg),
                             memory_host_bytes=mem + uncharged_bytes(
@@ -2523,9 +2665,12 @@ class ContainerBackend:
                                 - (1 if self.shared_sysfs and box.netns_fd < 0 else 0)
                                 - (1 if self.shared_scratch else 0)
                                 - (1 if self.lazy_devpts and not box.spec.user_namespace
-                                   else 0)),
+                                   else 0),
+                                memcg_share=1 if g is None else len(g.members)),
                             qos=qos_of(box.spec), memory_rss_bytes=held.rss,
-                            memory_cache_bytes=held.cache, memory_shm_bytes=held.shm)
+                            memory_cache_bytes=held.cache, memory_shm_bytes=held.shm,
+                            memory_group="" if g is None else g.name,
+                            memory_group_members=0 if g is None else len(g.members))
 
     # -- snapshots (pack_diff; needs images=StoreImages, see snapshot.py) -----------------
     async def snapshot(self, sid: SandboxId, *, strip: tuple[str, ...] = (),
@@ -2570,6 +2715,19 @@ def _legacy_rw_dirs(d: str) -> tuple[str, str]:
     disk = os.path.join(d, "disk")
     base = disk if os.path.ismount(disk) else d
     return os.path.join(base, "upper"), os.path.join(base, "work")
+
+
+def _rmdir_if_empty(d: str) -> bool:
+    """rmdir a cgroup dir; False if it still holds a task or a child (EBUSY)."""
+    try:
+        os.rmdir(d)
+    except FileNotFoundError:
+        return True
+    except OSError as exc:
+        if exc.errno != errno.EBUSY:
+            raise
+        return False
+    return True
 
 
 def _tree_bytes(path: str) -> int:

@@ -42,6 +42,7 @@ from dsec.edge.governor import (
     parse_mountinfo,
     valid_cgroup_name,
 )
+from dsec.edge.memgroups import is_group_name
 from dsec.fswalk import walk
 from dsec.image.mount import mounts_below
 from dsec.ownership import start_time
@@ -87,6 +88,9 @@ class Census:
     disk: frozenset[str] = frozenset()                     # <root_dir>/pool/<sid>
     pool_mounted: bool = False   # the backend-wide disk pool (kept while sandboxes live)
     scratch: frozenset[str] = frozenset()  # <root_dir>/scratch/<sid> (shared scratch tmpfs)
+    #: memory groups' cgroup dirs (``+mg-*``, dsec.edge.memgroups): shared by sandboxes,
+    #: never one sandbox's trace; reconcile removes those no live sandbox is in
+    memory_groups: frozenset[str] = frozenset()
 
     def sandboxes(self) -> set[str]:
         """Every sandbox id with any trace on the host."""
@@ -120,6 +124,7 @@ class Census:
                 "mounts": sum(len(v) for v in self.mounts.values()),
                 "runc": len(self.runc), "disk": len(self.disk),
                 "scratch": len(self.scratch),
+                "memory_groups": len(self.memory_groups),
                 "pool_mounts": int(self.pool_mounted)}
 
 
@@ -459,12 +464,16 @@ def take_census(root_dir: str, cgroup_name: str, *, only: str | None = None) -> 
             else frozenset()
     cgroups: dict[str, list[str]] = {}
     tasks: dict[str, set[int]] = {}
+    groups: set[str] = set()
     parents = set(cgroup_parents(cgroup_name)) | set(recorded_parents(root_dir, cgroup_name))
     for parent in sorted(parents):
         names = _subdirs(parent) if only is None else (
             [only] if os.path.isdir(os.path.join(parent, only)) else [])
         for sid in names:
             d = os.path.join(parent, sid)
+            if is_group_name(sid):     # shared: its tasks are its members', found in
+                groups.add(d)          # their own pids and freezer cgroups
+                continue
             cgroups.setdefault(sid, []).append(d)
             pids = tasks_of(d)
             if pids:
@@ -478,7 +487,8 @@ def take_census(root_dir: str, cgroup_name: str, *, only: str | None = None) -> 
     return Census(dirs=dirs, cgroups={k: tuple(v) for k, v in cgroups.items()},
                   tasks={k: tuple(sorted(v)) for k, v in tasks.items()},
                   mounts={k: tuple(v) for k, v in mounts.items()}, runc=runc, disk=disk,
-                  pool_mounted=os.path.ismount(pool), scratch=scratch)
+                  pool_mounted=os.path.ismount(pool), scratch=scratch,
+                  memory_groups=frozenset(groups))
 
 
 def _listed(cgroup_dir: str) -> set[int]:

@@ -43,13 +43,16 @@ _OTHER_CGROUPS = 17 << 10
 _SUPERBLOCK = 4 << 10
 
 
-def uncharged_bytes(peak_sandboxes: int, superblocks: int = SUPERBLOCKS_PER_SANDBOX) -> int:
+def uncharged_bytes(peak_sandboxes: int, superblocks: int = SUPERBLOCKS_PER_SANDBOX, *,
+                    memcg_share: int = 1) -> int:
     """Kernel memory the host spends on one sandbox outside its memory cgroup, with
     ``peak_sandboxes`` the most sandboxes this backend has held at once and
-    ``superblocks`` each one mounts. Pure."""
+    ``superblocks`` each one mounts; ``memcg_share`` sandboxes share its memory cgroup
+    (a memory group: its memcg and shrinker map are split between them). Pure."""
     ids = max(1, peak_sandboxes) * superblocks
     shrinker_map = -(-ids // 64) * 1024
-    return _MEMCG_BASE + _OTHER_CGROUPS + superblocks * _SUPERBLOCK + shrinker_map
+    return (_OTHER_CGROUPS + superblocks * _SUPERBLOCK
+            + (_MEMCG_BASE + shrinker_map) // max(1, memcg_share))
 
 
 def mount_shared_sysfs(path: str) -> str:

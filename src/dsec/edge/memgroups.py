@@ -1,0 +1,116 @@
+"""Memory groups: up to ``size`` sandboxes of one project and QoS class in one memory
+cgroup (opt-in density trade, issue 22; docs/container.md "Memory groups").
+
+Why: every memory cgroup on the host keeps a shrinker map with a slot for every
+superblock on the host (1 KiB per 64), so N sandboxes with S superblocks each cost
+N x (S x N / 64) KiB - at 10,000 sandboxes ~516 KiB per sandbox, the largest term of
+their host memory. Sandboxes sharing a memory cgroup by groups of ``size`` divide that
+term by ``size``. **The trade**: a group has one limit (the sum of its members'), so a
+sandbox can use memory its group-mates leave unused and, at the group's limit, the OOM
+killer may pick a process of any member. Nothing else is shared: namespaces, other
+cgroups (cpu, pids, freezer), files and disk stay per sandbox. Groups never mix
+projects or QoS classes.
+
+Pure: the table of groups and members; the governor and the backend do the cgroup I/O.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+__all__ = ["GROUP_PREFIX", "MemoryGroup", "MemoryGroups", "group_name", "is_group_name"]
+
+#: every group's cgroup dir name starts with this; no sandbox id can ("sb-..."): the
+#: census and the leak checks tell a group from a sandbox by it
+GROUP_PREFIX = "+mg-"
+
+
+def group_name(project: str, qos: str, index: int) -> str:
+    """The cgroup dir name of a project's ``index``-th group of class ``qos``."""
+    h = hashlib.sha256(f"{project}\0{qos}".encode()).hexdigest()[:12]
+    return f"{GROUP_PREFIX}{h}-{index}"
+
+
+def is_group_name(name: str) -> bool:
+    return name.startswith(GROUP_PREFIX)
+
+
+@dataclass
+class MemoryGroup:
+    name: str
+    key: tuple[str, str]                                  # (project, qos)
+    members: dict[str, int] = field(default_factory=dict)  # sandbox id -> its memory bytes
+    #: the OOM-kill counter of the group's cgroup last reported (shared by the members:
+    #: one kill is reported once, by the member that saw it first)
+    oom_seen: int = 0
+
+    @property
+    def limit_bytes(self) -> int:
+        """The group's memory limit: the sum of its members' limits."""
+        return sum(self.members.values())
+
+
+@dataclass
+class MemoryGroups:
+    """Which group each sandbox is in. ``size`` members at most per group."""
+
+    size: int
+    groups: dict[str, MemoryGroup] = field(default_factory=dict)
+    of: dict[str, str] = field(default_factory=dict)      # sandbox id -> group name
+
+    def __post_init__(self) -> None:
+        if self.size < 2:
+            raise ValueError(f"memory group size {self.size}: a group holds at least 2 "
+                             "sandboxes (1 means every sandbox has its own memory cgroup)")
+
+    def join(self, sid: str, project: str, qos: str, memory_bytes: int) -> MemoryGroup:
+        """Put ``sid`` in the fullest group of its key with room (fewer cgroups on the
+        host), or a new one with the lowest free index."""
+        if sid in self.of:
+            raise ValueError(f"sandbox {sid} is in memory group {self.of[sid]} already")
+        key = (project, qos)
+        open_ = [g for g in self.groups.values() if g.key == key and len(g.members) < self.size]
+        if open_:
+            g = max(open_, key=lambda g: (len(g.members), g.name))
+        else:
+            used = {g.name for g in self.groups.values()}
+            i = 0
+            while group_name(project, qos, i) in used:
+                i += 1
+            g = MemoryGroup(group_name(project, qos, i), key)
+            self.groups[g.name] = g
+        g.members[sid] = memory_bytes
+        self.of[sid] = g.name
+        return g
+
+    def adopt(self, sid: str, name: str, project: str, qos: str,
+              memory_bytes: int) -> MemoryGroup:
+        """Record ``sid`` in the group it is found in on the host (edge restart). A group
+        found with members of another key, or over ``size``, is kept as found: the host
+        is what it is; new sandboxes only join groups of their own key with room."""
+        g = self.groups.get(name)
+        if g is None:
+            g = self.groups[name] = MemoryGroup(name, (project, qos))
+        g.members[sid] = memory_bytes
+        self.of[sid] = name
+        return g
+
+    def leave(self, sid: str) -> MemoryGroup | None:
+        """Take ``sid`` out of its group; the group (maybe now empty: the caller removes
+        its cgroup then, and :meth:`drop` s it) or None if it was in none."""
+        name = self.of.pop(sid, None)
+        if name is None:
+            return None
+        g = self.groups[name]
+        g.members.pop(sid, None)
+        return g
+
+    def drop(self, name: str) -> None:
+        g = self.groups.get(name)
+        if g is not None and not g.members:
+            del self.groups[name]
+
+    def group_of(self, sid: str) -> MemoryGroup | None:
+        name = self.of.get(sid)
+        return None if name is None else self.groups.get(name)

@@ -1,0 +1,277 @@
+"""Memory groups (issue 22, opt-in density trade; docs/container.md "Memory groups"):
+up to k sandboxes of one project and QoS class share one memory cgroup whose limit is
+the sum of theirs. What must hold: groups never mix projects or classes; nothing but the
+memory cgroup is shared (namespaces, files, other cgroups stay per sandbox); the group's
+limit follows its members; its cgroup goes with its last member, on every path (destroy,
+a failed create, reconcile after a restart); an OOM kill is reported once, naming the
+group; a running member's memory is never reclaimed by another's pause."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator
+
+import msgspec
+import pytest
+
+from dsec.edge.backends.container import ContainerBackend, DirectoryImages
+from dsec.edge.backends.container.density import uncharged_bytes
+from dsec.edge.memgroups import GROUP_PREFIX, MemoryGroups, group_name, is_group_name
+from dsec.errors import BackendError, InvalidArgument
+from dsec.ids import SandboxId
+from dsec.wire.spec import ExecRequest, SandboxSpec
+
+from .conftest import _cleanup, needs_root, new_sid
+
+MIB = 1 << 20
+
+
+def _spec(project: str, mib: int = 64, qos: str | None = None) -> SandboxSpec:
+    return SandboxSpec(backend="container", memory_bytes=mib * MIB, pids_max=64,
+                       project=project, qos=qos)  # type: ignore[arg-type]
+
+
+# -- the table (pure) -------------------------------------------------------------------
+
+def test_groups_fill_to_size_never_mix_projects_or_classes_and_reuse_freed_names() -> None:
+    t = MemoryGroups(2)
+    a = t.join("a", "p", "ls", 10)
+    b = t.join("b", "p", "ls", 20)
+    c = t.join("c", "p", "ls", 30)
+    assert a is b and c is not a and a.limit_bytes == 30 and c.limit_bytes == 30
+    assert t.join("d", "q", "ls", 1).name not in (a.name, c.name)      # another project
+    assert t.join("e", "p", "be", 1).name not in (a.name, c.name)      # another class
+    assert t.join("f", "p", "ls", 5) is c                               # room there
+    assert is_group_name(a.name) and a.name.startswith(GROUP_PREFIX)
+    assert not is_group_name("sb-0123456789ab-t1")
+    with pytest.raises(ValueError, match="already"):
+        t.join("a", "p", "ls", 1)
+    g = t.leave("a")
+    assert g is a and g.limit_bytes == 20
+    assert t.join("g", "p", "ls", 7) is a                               # the fullest with room
+    for sid in ("b", "g"):
+        t.leave(sid)
+    assert not a.members
+    t.drop(a.name)
+    assert a.name not in t.groups
+    assert t.join("h", "p", "ls", 1).name in (a.name, group_name("p", "ls", 0))
+    assert t.leave("nobody") is None
+    with pytest.raises(ValueError, match="at least 2"):
+        MemoryGroups(1)
+
+
+def test_adopt_keeps_what_the_host_has() -> None:
+    t = MemoryGroups(2)
+    name = group_name("p", "ls", 3)
+    t.adopt("a", name, "p", "ls", 10)
+    t.adopt("b", name, "p", "ls", 10)
+    t.adopt("c", name, "p", "ls", 10)          # over size, as found: kept
+    assert len(t.groups[name].members) == 3
+    assert t.join("d", "p", "ls", 1).name != name
+
+
+def test_the_host_memory_estimate_splits_the_memcg_between_members() -> None:
+    own = uncharged_bytes(10_000, 3)
+    shared = uncharged_bytes(10_000, 3, memcg_share=4)
+    # the shrinker map (3 x 10,000 ids / 64 -> 469 KiB) is split four ways
+    assert own - shared == pytest.approx((own - uncharged_bytes(10_000, 3, memcg_share=10**9))
+                                         * 3 / 4, rel=0.01)
+    assert own - shared > 300 << 10
+
+
+# -- the real backend -------------------------------------------------------------------
+
+@pytest.fixture
+async def grouped(tmp_path: object, images_dir: str) -> AsyncIterator[ContainerBackend]:
+    if os.geteuid() != 0:
+        pytest.skip("by design: needs root (CI runs as root)")
+    b = ContainerBackend(root_dir=os.path.join(str(tmp_path), "root"),
+                         images=DirectoryImages(images_dir), memory_group_size=2)
+    try:
+        yield b
+    finally:
+        await _cleanup(b)
+
+
+def _read(path: str) -> str:
+    with open(path) as f:
+        return f.read()
+
+
+def _limit(b: ContainerBackend, name: str) -> int:
+    return int(_read(os.path.join(b.governor.layout.bases["memory"], name,
+                                  "memory.limit_in_bytes")))
+
+
+async def _sh(b: ContainerBackend, sid: str, cmd: str) -> str:
+    r = await b.exec(SandboxId(sid), ExecRequest(argv=("sh", "-c", cmd), timeout_s=60))
+    assert r.exit_code == 0, (cmd, r)
+    return r.stdout.decode()
+
+
+def test_bad_sizes_and_runtimes_are_refused_before_anything_is_made(
+        tmp_path: object, images_dir: str) -> None:
+    root = os.path.join(str(tmp_path), "r")
+    for size, runtime, match in (("x", "native", "whole number"), (0, "native", "at least 1"),
+                                 (2, "runc", "native driver")):
+        with pytest.raises(InvalidArgument, match=match):
+            ContainerBackend(root_dir=root, images=DirectoryImages(images_dir),
+                             runtime=runtime, memory_group_size=size)  # type: ignore[arg-type]
+    assert not os.path.exists(root)
+
+
+@needs_root
+async def test_members_share_only_the_memory_cgroup_and_its_limit_follows_them(
+        grouped: ContainerBackend) -> None:
+    b = grouped
+    a, a2, a3, q = new_sid(), new_sid(), new_sid(), new_sid()
+    await b.create(a, _spec("p", 64))
+    await b.create(a2, _spec("p", 96))
+    await b.create(a3, _spec("p", 32))
+    await b.create(q, _spec("q", 48))
+    ca, ca2, ca3, cq = (b.box(s).cg for s in (a, a2, a3, q))
+    ga = os.path.basename(ca.dirs["memory"])
+    assert is_group_name(ga) and ca.shared == ("memory",)
+    assert ca2.dirs["memory"] == ca.dirs["memory"]                     # shared
+    assert ca3.dirs["memory"] != ca.dirs["memory"]                     # the group is full
+    assert cq.dirs["memory"] not in (ca.dirs["memory"], ca3.dirs["memory"])   # project
+    for ctrl in ("cpu", "pids", "freezer", "cpuacct"):                 # the rest: own
+        if ctrl in ca.dirs:
+            assert ca.dirs[ctrl] != ca2.dirs[ctrl]
+            assert os.path.basename(ca.dirs[ctrl]) == a
+    assert _limit(b, ga) == (64 + 96) * MIB
+    memsw = os.path.join(ca.dirs["memory"], "memory.memsw.limit_in_bytes")
+    if os.path.exists(memsw):
+        assert int(_read(memsw)) == (64 + 96) * MIB                     # no swap beyond
+    procs = {int(p) for p in _read(os.path.join(ca.dirs["memory"], "cgroup.procs")).split()}
+    assert {b.box(a).init_pid, b.box(a2).init_pid} <= procs
+    assert b.box(a3).init_pid not in procs
+    # the census and the leak checks see groups apart from sandboxes
+    assert not any(is_group_name(n) for n in b.governor.list_sandboxes())
+    assert len(b.census().memory_groups) == 3
+    st = await b.stats(a)
+    assert (st.memory_group, st.memory_group_members, st.memory_limit_bytes) == (
+        ga, 2, (64 + 96) * MIB)
+    assert (await b.stats(a3)).memory_group_members == 1
+    # nothing else is shared: processes, files
+    await _sh(b, a, "echo mine > /tmp/a-file; sleep 300 >/dev/null 2>&1 &")
+    assert "a-file" not in await _sh(b, a2, "ls /tmp")
+    assert "sleep 300" not in await _sh(b, a2, "ps -o args")
+    # a member leaving lowers the limit; the last one takes the group with it
+    await b.destroy(a)
+    assert _limit(b, ga) == 96 * MIB
+    await b.destroy(a2)
+    assert not os.path.exists(ca.dirs["memory"])
+    assert ga not in b._memgroups.groups
+    await b.destroy(a3)
+    await b.destroy(q)
+    assert b.census().memory_groups == frozenset()
+
+
+@needs_root
+async def test_an_oom_kill_is_reported_once_naming_the_group_and_pause_spares_a_runner(
+        grouped: ContainerBackend) -> None:
+    b = grouped
+    notices: list[tuple[str, str, str]] = []
+    b.watch(lambda sid, reason, detail: notices.append((sid, reason, detail)))
+    a, a2 = new_sid(), new_sid()
+    await b.create(a, _spec("p", 32))
+    await b.create(a2, _spec("p", 32))
+    # a sandbox may use what its group-mate leaves (the trade): tail holds 40 MiB (no
+    # newline in it) > its own 32 MiB, < the group's 64
+    r = await b.exec(a, ExecRequest(shell="head -c 40m /dev/zero | tail > /dev/null && "
+                                          "echo ok", timeout_s=60))
+    assert r.exit_code == 0 and b"ok" in r.stdout and not r.oom_killed, r
+    # past the group's 64 MiB the OOM killer acts: one notice, naming the group
+    r = await b.exec(a, ExecRequest(shell="head -c 500m /dev/zero | tail > /dev/null",
+                                    timeout_s=60))
+    assert r.oom_killed, r
+    await b.stats(a2)                     # the other member's checks see the same counter
+    await b.exec(a2, ExecRequest(argv=("true",)))
+    ooms = [n for n in notices if n[1] == "oom_kill"]
+    assert len(ooms) == 1, ooms
+    assert os.path.basename(b.box(a).cg.dirs["memory"]) in ooms[0][2]
+    # pausing one member pushes nothing of the group out while the other runs
+    await _sh(b, a2, "head -c 16777216 /dev/zero > /dev/shm/keep")
+    ps = await b.pause(a)
+    assert ps.reclaimed_bytes == 0
+    assert (await b.exec(a2, ExecRequest(argv=("true",)))).exit_code == 0
+    await b.resume(a)
+
+
+@needs_root
+async def test_a_failed_create_leaves_no_member_and_no_group(
+        grouped: ContainerBackend, monkeypatch: pytest.MonkeyPatch) -> None:
+    b = grouped
+    base = b.governor.layout.bases["memory"]
+
+    async def boom(box: object) -> tuple[int, int]:
+        raise BackendError("injected: the init did not start")
+    monkeypatch.setattr(b, "_native_create", boom)
+    with pytest.raises(BackendError, match="injected"):
+        await b.create(new_sid(), _spec("p"))
+    monkeypatch.undo()
+
+    def bad_create(sid: str, limits: object) -> object:
+        raise BackendError("injected: cgroups")
+    monkeypatch.setattr(b.governor, "create", bad_create)
+    with pytest.raises(BackendError, match="injected"):
+        await b.create(new_sid(), _spec("p"))
+    monkeypatch.undo()
+    assert not b._memgroups.groups and not b._memgroups.of
+    assert not [e for e in os.listdir(base) if is_group_name(e)]
+    s = new_sid()
+    await b.create(s, _spec("p"))       # and the next create still works
+    assert (await b.exec(s, ExecRequest(argv=("true",)))).exit_code == 0
+
+
+@needs_root
+async def test_a_restarted_edge_adopts_members_into_their_group_and_reconciles_the_rest(
+        tmp_path: object, images_dir: str) -> None:
+    """close() leaves sandboxes running for a later adopt (as a killed edge does): the
+    next backend finds each in its group, rebuilds the limit from the adopted members
+    only (the one not kept is reconciled away), and the group goes with its last one."""
+    root = os.path.join(str(tmp_path), "r")
+    b = ContainerBackend(root_dir=root, images=DirectoryImages(images_dir),
+                         memory_group_size=2)
+    a, a2 = new_sid(), new_sid()
+    await b.create(a, _spec("p", 64))
+    await b.create(a2, _spec("p", 96))
+    gdir = b.box(a).cg.dirs["memory"]
+    name = os.path.basename(gdir)
+    spec_a = b.box(a).spec
+    await b.close()
+    # a node restarted without the option still tracks the groups it finds
+    b2 = ContainerBackend(root_dir=root, images=DirectoryImages(images_dir))
+    try:
+        assert await b2.adopt(a, spec_a)
+        assert b2.box(a).cg.shared == ("memory",)
+        left = await b2.reconcile({a})
+        assert [x.sandbox_id for x in left] == [a2]
+        assert _limit(b2, name) == 64 * MIB        # a2's share went with it
+        assert (await b2.stats(a)).memory_group == name
+        await b2.destroy(a)
+        assert not os.path.exists(gdir)
+    finally:
+        await _cleanup(b2)
+
+
+@needs_root
+async def test_reconcile_removes_a_group_no_sandbox_is_in(grouped: ContainerBackend) -> None:
+    """A crash between the group's mkdir and its first member (or after the last
+    member's teardown, before the group's rmdir) leaves an empty group cgroup."""
+    b = grouped
+    d = os.path.join(b.governor.layout.bases["memory"], group_name("p", "ls", 9))
+    os.mkdir(d)
+    assert d in b.census().memory_groups
+    assert await b.reconcile(set()) == []
+    assert not os.path.exists(d)
+
+
+def test_stats_carry_the_group() -> None:
+    from dsec.wire.spec import SandboxStats
+
+    st = SandboxStats(memory_group="+mg-x-0", memory_group_members=2)
+    back = msgspec.json.decode(msgspec.json.encode(st), type=SandboxStats)
+    assert (back.memory_group, back.memory_group_members) == ("+mg-x-0", 2)
+    assert b"memory_group" not in msgspec.json.encode(SandboxStats())   # omitted when own
