@@ -153,6 +153,12 @@ async def test_members_share_only_the_memory_cgroup_and_its_limit_follows_them(
     assert (st.memory_group, st.memory_group_members, st.memory_limit_bytes) == (
         ga, 2, (64 + 96) * MIB)
     assert (await b.stats(a3)).memory_group_members == 1
+    # the host estimate counts a member's share of the group's memory, not all of it
+    import dsec.edge.backends.container.backend as backend_mod
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(backend_mod, "uncharged_bytes", lambda *a, **k: 0)
+        st2 = await b.stats(a)
+    assert st2.memory_bytes > 0 and st2.memory_host_bytes == st2.memory_bytes // 2
     # nothing else is shared: processes, files
     await _sh(b, a, "echo mine > /tmp/a-file; sleep 300 >/dev/null 2>&1 &")
     assert "a-file" not in await _sh(b, a2, "ls /tmp")

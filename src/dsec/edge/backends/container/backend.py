@@ -2659,7 +2659,9 @@ class ContainerBackend:
                             memory_limit_bytes=self._memory_limit(box),
                             pids_max=box.spec.pids_max, net_rx_bytes=rx, net_tx_bytes=tx,
                             oom_kills=self.governor.oom_kills(box.cg),
-                            memory_host_bytes=mem + uncharged_bytes(
+                            # (a member's share of its group's memory)
+                            memory_host_bytes=mem // (1 if g is None else len(g.members))
+                            + uncharged_bytes(
                                 self._peak_boxes,
                                 SUPERBLOCKS_PER_SANDBOX
                                 - (1 if self.shared_sysfs and box.netns_fd < 0 else 0)
