@@ -725,36 +725,51 @@ class Governor:
         dirs["memory"] = os.path.join(self.layout.bases["memory"], memory_group)
         return SandboxCgroup(self.version, dirs, ("memory",))
 
-    def set_group_memory(self, group_dir: str, limit_bytes: int, *,
-                         soft_bytes: int) -> bool:
+    def set_group_memory(self, group_dir: str, limit_bytes: int, *, soft_bytes: int,
+                         lower: bool = True) -> bool:
         """Set a memory group's limit (v1 ``memory.limit_in_bytes``, and ``memsw`` to the
-        same: no swap beyond it) and soft limit. Raising writes memsw first, lowering
-        the limit first (v1 refuses memsw below the limit). False if the kernel could
-        not lower it (EBUSY: the group holds more than the new limit and reclaim could
-        not free it) - the old limit stays, a later call tries again."""
+        same: no swap beyond it) and soft limit; all three move together or none does.
+        Raising writes memsw first (v1 refuses memsw below the limit). Lowering happens
+        only when the group already fits (its memory + swap use is at most the new
+        limit): the kernel would otherwise push a running member's memory to swap to
+        lower the limit and then refuse memsw (EBUSY), leaving memsw above the limit
+        (red team 26, B). False if it was not lowered (or ``lower`` is False: a raise
+        only) - the old limit stays, the caller tries again later."""
         limit = os.path.join(group_dir, "memory.limit_in_bytes")
-        files = [limit]
-        if self.layout.memsw:
-            memsw = os.path.join(group_dir, "memory.memsw.limit_in_bytes")
-            if int(_read(limit)) < limit_bytes:
-                files.insert(0, memsw)
-            else:
-                files.append(memsw)
+        memsw = os.path.join(group_dir, "memory.memsw.limit_in_bytes") \
+            if self.layout.memsw else None
+        current = int(_read(limit))
+        if limit_bytes < current:
+            used = os.path.join(group_dir, "memory.memsw.usage_in_bytes" if memsw
+                                else "memory.usage_in_bytes")
+            if not lower or int(_read(used)) > limit_bytes:
+                return False
+            files = [limit] if memsw is None else [limit, memsw]
+        else:
+            files = [limit] if memsw is None else [memsw, limit]
+        done: list[str] = []
         try:
             for f in files:
                 _write(f, str(limit_bytes))
+                done.append(f)
         except OSError as exc:
+            # a lowering refused after all (the group grew meanwhile): put back what
+            # moved, so limit and memsw stay equal
+            for f in reversed(done):
+                with contextlib.suppress(OSError):
+                    _write(f, str(current))
             if exc.errno != errno.EBUSY:
                 raise
             return False
         _write(os.path.join(group_dir, "memory.soft_limit_in_bytes"), str(soft_bytes))
         return True
 
-    def remove_group(self, name: str) -> bool:
+    @staticmethod
+    def remove_group(group_dir: str) -> bool:
         """rmdir a memory group's cgroup (called when its last member has gone); False
-        if a task is still in it (EBUSY: kept, the census tries again)."""
+        if a task is still in it (EBUSY: the group is kept and tried again)."""
         try:
-            os.rmdir(os.path.join(self.layout.bases["memory"], name))
+            os.rmdir(group_dir)
         except FileNotFoundError:
             return True
         except OSError as exc:
@@ -762,17 +777,6 @@ class Governor:
                 raise
             return False
         return True
-
-    def list_groups(self) -> list[str]:
-        """Names of the memory groups' cgroups under this edge's memory parent (v1)."""
-        base = self.layout.bases.get("memory")
-        if base is None:
-            return []
-        try:
-            return sorted(e.name for e in os.scandir(base)
-                          if e.is_dir() and is_group_name(e.name))
-        except FileNotFoundError:
-            return []
 
     def _be_parent(self) -> None:
         """mkdir (if missing) the v1 best-effort cpu parent and (re)write its class:
@@ -895,6 +899,13 @@ class Governor:
 
     def exists(self, cg: SandboxCgroup) -> bool:
         return all(os.path.isdir(d) for d in cg.dirs.values())
+
+    def present(self, cg: SandboxCgroup) -> bool:
+        """Any of the sandbox's own cgroup dirs exists: what a kill or a removal must act
+        on. ``exists`` (all of them) was the test before, and a partial set - a create or
+        a teardown cut off between hierarchies, a memory-group member whose memory dir is
+        the group's - was neither killed nor removed (red team 26, E)."""
+        return any(os.path.isdir(d) for c, d in cg.dirs.items() if c not in cg.shared)
 
     def freeze(self, cg: SandboxCgroup) -> None:
         self._set_frozen(cg, True)
@@ -1092,7 +1103,7 @@ class Governor:
         code) for the freeze to complete; a task the kernel holds in D state keeps it
         FREEZING for that long on every call. 0: ask and go on (the kill is exact either
         way; freezing only keeps fork bombs from outrunning it)."""
-        if not self.exists(cg):
+        if not self.present(cg):
             return 0
         if cg.version == 2:
             _write(os.path.join(cg.dirs["unified"], "cgroup.kill"), "1")

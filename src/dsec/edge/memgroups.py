@@ -3,20 +3,24 @@ cgroup (opt-in density trade, issue 22; docs/container.md "Memory groups").
 
 Why: every memory cgroup on the host keeps a shrinker map with a slot for every
 superblock on the host (1 KiB per 64), so N sandboxes with S superblocks each cost
-N x (S x N / 64) KiB - at 10,000 sandboxes ~516 KiB per sandbox, the largest term of
+N x (S x N / 64) KiB - at 10,000 sandboxes ~516-672 KiB per sandbox, the largest term of
 their host memory. Sandboxes sharing a memory cgroup by groups of ``size`` divide that
 term by ``size``. **The trade**: a group has one limit (the sum of its members'), so a
 sandbox can use memory its group-mates leave unused and, at the group's limit, the OOM
 killer may pick a process of any member. Nothing else is shared: namespaces, other
-cgroups (cpu, pids, freezer), files and disk stay per sandbox. Groups never mix
-projects or QoS classes.
+cgroups (cpu, pids, freezer), files and disk stay per sandbox, and what no OOM kill
+frees (tmpfs files, SysV shared memory) stays capped at each member's own limit.
+Groups never mix projects or QoS classes.
 
-Pure: the table of groups and members; the governor and the backend do the cgroup I/O.
+Pure: the table of groups and members, keyed by the group's cgroup directory (an edge
+restarted in another cgroup adopts members of groups under the old parent; new
+sandboxes join only groups under its own). The governor and the backend do the I/O.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 from dataclasses import dataclass, field
 
 __all__ = ["GROUP_PREFIX", "MemoryGroup", "MemoryGroups", "group_name", "is_group_name"]
@@ -38,12 +42,21 @@ def is_group_name(name: str) -> bool:
 
 @dataclass
 class MemoryGroup:
-    name: str
+    dir: str                                              # its cgroup directory
     key: tuple[str, str]                                  # (project, qos)
     members: dict[str, int] = field(default_factory=dict)  # sandbox id -> its memory bytes
     #: the OOM-kill counter of the group's cgroup last reported (shared by the members:
     #: one kill is reported once, by the member that saw it first)
     oom_seen: int = 0
+    #: no member left but its cgroup could not be removed (a task still inside): never
+    #: joined again, its name never reused, removal retried (red team 26, G)
+    retired: bool = False
+    #: its limit is above its members' sum (a lowering waits until the group fits)
+    pending: bool = False
+
+    @property
+    def name(self) -> str:
+        return os.path.basename(self.dir)
 
     @property
     def limit_bytes(self) -> int:
@@ -56,61 +69,68 @@ class MemoryGroups:
     """Which group each sandbox is in. ``size`` members at most per group."""
 
     size: int
-    groups: dict[str, MemoryGroup] = field(default_factory=dict)
-    of: dict[str, str] = field(default_factory=dict)      # sandbox id -> group name
+    groups: dict[str, MemoryGroup] = field(default_factory=dict)   # dir -> group
+    of: dict[str, str] = field(default_factory=dict)      # sandbox id -> group dir
 
     def __post_init__(self) -> None:
         if self.size < 2:
             raise ValueError(f"memory group size {self.size}: a group holds at least 2 "
                              "sandboxes (1 means every sandbox has its own memory cgroup)")
 
-    def join(self, sid: str, project: str, qos: str, memory_bytes: int) -> MemoryGroup:
-        """Put ``sid`` in the fullest group of its key with room (fewer cgroups on the
-        host), or a new one with the lowest free index."""
+    def join(self, sid: str, parent: str, project: str, qos: str,
+             memory_bytes: int) -> MemoryGroup:
+        """Put ``sid`` in the fullest group of its key under ``parent`` with room (fewer
+        cgroups on the host), or a new one with the lowest index free there."""
         if sid in self.of:
             raise ValueError(f"sandbox {sid} is in memory group {self.of[sid]} already")
         key = (project, qos)
-        open_ = [g for g in self.groups.values() if g.key == key and len(g.members) < self.size]
+        open_ = [g for g in self.groups.values() if g.key == key and not g.retired
+                 and os.path.dirname(g.dir) == parent and len(g.members) < self.size]
         if open_:
-            g = max(open_, key=lambda g: (len(g.members), g.name))
+            g = max(open_, key=lambda g: (len(g.members), g.dir))
         else:
-            used = {g.name for g in self.groups.values()}
             i = 0
-            while group_name(project, qos, i) in used:
+            while os.path.join(parent, group_name(project, qos, i)) in self.groups:
                 i += 1
-            g = MemoryGroup(group_name(project, qos, i), key)
-            self.groups[g.name] = g
+            g = MemoryGroup(os.path.join(parent, group_name(project, qos, i)), key)
+            self.groups[g.dir] = g
         g.members[sid] = memory_bytes
-        self.of[sid] = g.name
+        self.of[sid] = g.dir
         return g
 
-    def adopt(self, sid: str, name: str, project: str, qos: str,
+    def adopt(self, sid: str, group_dir: str, project: str, qos: str,
               memory_bytes: int) -> MemoryGroup:
         """Record ``sid`` in the group it is found in on the host (edge restart). A group
         found with members of another key, or over ``size``, is kept as found: the host
         is what it is; new sandboxes only join groups of their own key with room."""
-        g = self.groups.get(name)
+        g = self.groups.get(group_dir)
         if g is None:
-            g = self.groups[name] = MemoryGroup(name, (project, qos))
+            g = self.groups[group_dir] = MemoryGroup(group_dir, (project, qos))
+        g.retired = False
         g.members[sid] = memory_bytes
-        self.of[sid] = name
+        self.of[sid] = group_dir
         return g
 
     def leave(self, sid: str) -> MemoryGroup | None:
         """Take ``sid`` out of its group; the group (maybe now empty: the caller removes
-        its cgroup then, and :meth:`drop` s it) or None if it was in none."""
-        name = self.of.pop(sid, None)
-        if name is None:
+        its cgroup, then :meth:`drop` s it, or :meth:`retire` s it) or None."""
+        d = self.of.pop(sid, None)
+        if d is None:
             return None
-        g = self.groups[name]
+        g = self.groups[d]
         g.members.pop(sid, None)
         return g
 
-    def drop(self, name: str) -> None:
-        g = self.groups.get(name)
+    def drop(self, group_dir: str) -> None:
+        g = self.groups.get(group_dir)
         if g is not None and not g.members:
-            del self.groups[name]
+            del self.groups[group_dir]
+
+    def retire(self, group_dir: str) -> None:
+        g = self.groups.get(group_dir)
+        if g is not None and not g.members:
+            g.retired = True
 
     def group_of(self, sid: str) -> MemoryGroup | None:
-        name = self.of.get(sid)
-        return None if name is None else self.groups.get(name)
+        d = self.of.get(sid)
+        return None if d is None else self.groups.get(d)

@@ -490,8 +490,13 @@ class EdgeNode:
         """What the pressure policy weighs: a sandbox with an operation in flight counts
         as active now; resident memory is estimated by its memory_bytes reservation."""
         now = self.clock.time()
+
+        def group(r: _Sandbox) -> str:
+            fn = getattr(r.backend, "memory_group_of", None)
+            return str(fn(r.id)) if callable(fn) else ""
         return [QosView(r.id, qos_of(r.spec), r.state,
-                        now if r.active else r.last_active_at, r.spec.memory_bytes)
+                        now if r.active else r.last_active_at, r.spec.memory_bytes,
+                        group(r))
                 for r in self._live.values()]
 
     def _pressure_notice(self, sid: str, detail: str) -> None:

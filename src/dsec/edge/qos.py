@@ -501,6 +501,9 @@ class QosView:
     state: str                 # "running", "paused", ...
     last_active_at: float      # unix seconds of its last operation
     memory_bytes: int          # resident now
+    #: its memory group ("" for a memcg of its own, dsec.edge.memgroups): a member's
+    #: memory is reclaimed only once every member is paused
+    group: str = ""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -540,19 +543,46 @@ def plan_relief(psi: Psi, views: Sequence[QosView], *, now: float,
     Only running BE sandboxes idle at least ``min_idle_s`` qualify, idle longest first,
     until ``relieve_bytes`` of resident memory is covered or ``max_per_round`` are
     picked. LS sandboxes are never paused for pressure: a latency-sensitive sandbox is
-    what the pressure is relieved *for*."""
+    what the pressure is relieved *for*.
+
+    A memory group (``QosView.group``) is one unit: its memory is reclaimed only once
+    every member is paused, so it qualifies only when every member that runs does, and
+    then all of them are picked together and its memory counted once. A member alone
+    was paused for nothing (red team 26, D)."""
     if not under_pressure(psi, policy):
         return Relief((), "")
-    cands = sorted((v for v in views if v.qos == "be" and v.state == "running"
-                    and now - v.last_active_at >= policy.min_idle_s),
+
+    def idle_be(v: QosView) -> bool:
+        return v.qos == "be" and v.state == "running" \
+            and now - v.last_active_at >= policy.min_idle_s
+
+    mates: dict[str, list[QosView]] = {}
+    for v in views:
+        if v.group:
+            mates.setdefault(v.group, []).append(v)
+    cands = sorted((v for v in views if idle_be(v)),
                    key=lambda v: (v.last_active_at, -v.memory_bytes, v.id))
     out: list[str] = []
     freed = 0
+    taken: set[str] = set()
     for v in cands:
         if len(out) >= policy.max_per_round or freed >= policy.relieve_bytes:
             break
-        out.append(v.id)
-        freed += v.memory_bytes
+        if not v.group:
+            out.append(v.id)
+            freed += v.memory_bytes
+            continue
+        if v.group in taken:
+            continue
+        taken.add(v.group)
+        group = mates[v.group]
+        if not all(idle_be(m) or m.state == "paused" for m in group):
+            continue                  # a member is active: pausing the rest frees nothing
+        running = sorted(m.id for m in group if m.state == "running")
+        if out and len(out) + len(running) > policy.max_per_round:
+            continue
+        out += running
+        freed += sum(m.memory_bytes for m in group)
     reason = (f"memory pressure: some avg10={psi.some_avg10:.1f}% full avg10="
               f"{psi.full_avg10:.1f}% (thresholds {policy.some_avg10_pct:g}%/"
               f"{policy.full_avg10_pct:g}%); pausing {len(out)} best-effort sandbox(es) "

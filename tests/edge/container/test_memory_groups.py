@@ -33,28 +33,34 @@ def _spec(project: str, mib: int = 64, qos: str | None = None) -> SandboxSpec:
 
 # -- the table (pure) -------------------------------------------------------------------
 
-def test_groups_fill_to_size_never_mix_projects_or_classes_and_reuse_freed_names() -> None:
+def test_groups_fill_to_size_never_mix_projects_classes_or_parents() -> None:
+    P = "/cg/memory/dsec-x"
     t = MemoryGroups(2)
-    a = t.join("a", "p", "ls", 10)
-    b = t.join("b", "p", "ls", 20)
-    c = t.join("c", "p", "ls", 30)
+    a = t.join("a", P, "p", "ls", 10)
+    b = t.join("b", P, "p", "ls", 20)
+    c = t.join("c", P, "p", "ls", 30)
     assert a is b and c is not a and a.limit_bytes == 30 and c.limit_bytes == 30
-    assert t.join("d", "q", "ls", 1).name not in (a.name, c.name)      # another project
-    assert t.join("e", "p", "be", 1).name not in (a.name, c.name)      # another class
-    assert t.join("f", "p", "ls", 5) is c                               # room there
-    assert is_group_name(a.name) and a.name.startswith(GROUP_PREFIX)
-    assert not is_group_name("sb-0123456789ab-t1")
+    assert os.path.dirname(a.dir) == P and is_group_name(a.name)
+    assert a.name.startswith(GROUP_PREFIX) and not is_group_name("sb-0123456789ab-t1")
+    assert t.join("d", P, "q", "ls", 1) not in (a, c)                  # another project
+    assert t.join("e", P, "p", "be", 1) not in (a, c)                  # another class
+    # an edge restarted in another cgroup: new sandboxes never join the old parent's
+    assert os.path.dirname(t.join("o", "/cg/memory/other", "p", "ls", 1).dir) != P
+    assert t.join("f", P, "p", "ls", 5) is c                            # room there
     with pytest.raises(ValueError, match="already"):
-        t.join("a", "p", "ls", 1)
+        t.join("a", P, "p", "ls", 1)
     g = t.leave("a")
     assert g is a and g.limit_bytes == 20
-    assert t.join("g", "p", "ls", 7) is a                               # the fullest with room
+    assert t.join("g", P, "p", "ls", 7) is a                            # fullest with room
     for sid in ("b", "g"):
         t.leave(sid)
     assert not a.members
-    t.drop(a.name)
-    assert a.name not in t.groups
-    assert t.join("h", "p", "ls", 1).name in (a.name, group_name("p", "ls", 0))
+    # a group whose cgroup could not be removed is retired: never joined, never reused
+    t.retire(a.dir)
+    h = t.join("h", P, "p", "ls", 1)
+    assert h is not a and h.dir != a.dir
+    t.drop(a.dir)
+    assert a.dir not in t.groups
     assert t.leave("nobody") is None
     with pytest.raises(ValueError, match="at least 2"):
         MemoryGroups(1)
@@ -62,12 +68,12 @@ def test_groups_fill_to_size_never_mix_projects_or_classes_and_reuse_freed_names
 
 def test_adopt_keeps_what_the_host_has() -> None:
     t = MemoryGroups(2)
-    name = group_name("p", "ls", 3)
-    t.adopt("a", name, "p", "ls", 10)
-    t.adopt("b", name, "p", "ls", 10)
-    t.adopt("c", name, "p", "ls", 10)          # over size, as found: kept
-    assert len(t.groups[name].members) == 3
-    assert t.join("d", "p", "ls", 1).name != name
+    d = "/old/parent/" + group_name("p", "ls", 3)
+    t.adopt("a", d, "p", "ls", 10)
+    t.adopt("b", d, "p", "ls", 10)
+    t.adopt("c", d, "p", "ls", 10)          # over size, as found: kept
+    assert len(t.groups[d].members) == 3
+    assert t.join("d", "/old/parent", "p", "ls", 1).dir != d
 
 
 def test_the_host_memory_estimate_splits_the_memcg_between_members() -> None:
@@ -168,7 +174,7 @@ async def test_members_share_only_the_memory_cgroup_and_its_limit_follows_them(
     assert _limit(b, ga) == 96 * MIB
     await b.destroy(a2)
     assert not os.path.exists(ca.dirs["memory"])
-    assert ga not in b._memgroups.groups
+    assert ca.dirs["memory"] not in b._memgroups.groups
     await b.destroy(a3)
     await b.destroy(q)
     assert b.census().memory_groups == frozenset()

@@ -87,7 +87,7 @@ from dsec.edge.backends.container.protocol import (
     Started,
     exec_failure,
 )
-from dsec.edge.backends.container.rootfs import build_env, overlay_options
+from dsec.edge.backends.container.rootfs import SHM_BYTES, build_env, overlay_options
 from dsec.edge.backends.container.snapshot import ContainerSnapshots
 from dsec.edge.backends.container.state import BoxRecord, load_record, save_record
 from dsec.edge.fdkeeper import reset_ignored_signals
@@ -400,6 +400,11 @@ class ContainerBackend:
             os.chmod(d, 0o700)  # also when it existed: upper layers may hold setuid files
         # Stable per root_dir, so a restarted edge finds its parent cgroup again.
         self.cgroup_name = cgroup_name or cgroup_name_of(self.root_dir)
+        # One live backend per root_dir, taken before anything of the root's is touched:
+        # a second backend refused after claiming the name had re-bound it to itself,
+        # and its clean-up removed the live backend's base cgroups (red team 26, F).
+        # reconcile() removes whatever this backend does not hold.
+        self._lock_fd = _lock_root(self.root_dir)
         try:  # names of crashed backends whose root dir is gone: their cgroups go too
             for name, dirs in reap_orphan_names().items():
                 log.info("removed %d cgroup(s) of cgroup name %r: its root dir is gone and "
@@ -408,8 +413,13 @@ class ContainerBackend:
             log.warning("could not reap orphaned cgroup names: %s", exc)
         try:  # one root dir per cgroup name: the census owns everything under it
             claim_cgroup_name(self.cgroup_name, self.root_dir)
-        except OSError as exc:
-            raise BackendError(f"cannot claim cgroup name {self.cgroup_name!r}: {exc}") from exc
+        except BaseException as exc:
+            os.close(self._lock_fd)
+            self._lock_fd = -1
+            if isinstance(exc, OSError):
+                raise BackendError(f"cannot claim cgroup name {self.cgroup_name!r}: "
+                                   f"{exc}") from exc
+            raise
         try:  # whatever __init__ made is released if it fails or a stop interrupts it
             self.governor = governor or Governor(name=self.cgroup_name,
                                                  favor_dynmods=linux.remount,
@@ -547,15 +557,10 @@ class ContainerBackend:
                     binary=runsc_binary, root_dir=self.root_dir,
                     cgroup_parent=f"dsec-{self.cgroup_name}", platform=gvisor_platform)
             self._snapshots = ContainerSnapshots(self, workers=snapshot_workers)
-            # One live backend per root_dir (last, so a failed __init__ holds nothing):
-            # reconcile() removes whatever this backend does not hold.
-            self._lock_fd = _lock_root(self.root_dir)
             try:  # where this process nests sandbox cgroups, beside where earlier ones did
                 self._own_parents = cgroup_parents(self.cgroup_name)
                 record_parents(self.root_dir, self.cgroup_name, self._own_parents)
-            except OSError as exc:
-                os.close(self._lock_fd)
-                self._lock_fd = -1
+            except OSError as exc:   # (_release_partial gives the lock back)
                 raise BackendError(f"cannot record the cgroup parents of {self.root_dir}: "
                                    f"{exc}") from exc
         except BaseException:
@@ -578,6 +583,9 @@ class ContainerBackend:
         if getattr(self, "shared_scratch", ""):
             with contextlib.suppress(Exception):
                 release_shared_scratch(self.shared_scratch)
+        # the base cgroups and the name are the root's: only a backend that held its
+        # lock may give them back (a refused one must not touch a live one's)
+        owned = getattr(self, "_lock_fd", -1) >= 0
         for attr in ("_devnull", "_lock_fd"):
             fd = getattr(self, attr, -1)
             if fd >= 0:
@@ -587,7 +595,7 @@ class ContainerBackend:
         governor = getattr(self, "governor", None)
         sb = os.path.join(self.root_dir, "sb")
         with contextlib.suppress(Exception):
-            if not (os.path.isdir(sb) and os.listdir(sb)) and (
+            if owned and not (os.path.isdir(sb) and os.listdir(sb)) and (
                     governor is None or not governor.list_sandboxes()):
                 if governor is not None:
                     governor.remove_base()
@@ -733,7 +741,8 @@ class ContainerBackend:
             else:
                 cpus = None if self.qos_cpus is None else self.qos_cpus.of(qos_of(spec))
                 io = self.qos_io.get(qos_of(spec))
-                group = self._memgroups.join(sid, spec.project or "", qos_of(spec),
+                group = self._memgroups.join(sid, self.governor.layout.bases["memory"],
+                                             spec.project or "", qos_of(spec),
                                              spec.memory_bytes) \
                     if self.memory_group_size > 1 else None
                 try:
@@ -869,6 +878,16 @@ class ContainerBackend:
                          cgroup_version=box.cg.version, cgroup_dirs=box.cg.dirs,
                          lowerdirs=list(box.layers.lowerdirs), created_at=self.clock())
 
+    def _tmp_bytes(self, box: Box) -> int:
+        """The size of a sandbox's own tmpfs past its /dev/shm (nsexec.c: 64 KiB +
+        SHM_BYTES + this): its memory limit bounds it anyway - except in a memory group,
+        whose limit is the group's, so there the whole tmpfs is capped at the member's
+        own memory_bytes (at least /dev/shm's 64 MiB): no member can pin its group's
+        memory in files no OOM kill frees (red team 26, H)."""
+        if self._memgroups.group_of(box.sid) is None:
+            return box.spec.memory_bytes
+        return max(0, box.spec.memory_bytes - SHM_BYTES - (64 << 10))
+
     async def _native_create(self, box: Box) -> tuple[int, int]:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[tuple[Reply, list[int]]] = loop.create_future()
@@ -878,13 +897,18 @@ class ContainerBackend:
                      root=os.path.join(box.dir, "root"), hostname=box.sid[:63],
                      cgroup_procs=box.cg.procs_files,
                      loopback=True,   # mode "none": lo up (the old "none", lo down, is gone)
-                     nested=box.spec.allow_nested, tmp_bytes=box.spec.memory_bytes,
+                     nested=box.spec.allow_nested, tmp_bytes=self._tmp_bytes(box),
                      userns=self.userns_range if box.spec.user_namespace else None,
                      netns=box.netns_fd >= 0,
                      # a slot's netns has interfaces of its own: its sysfs shows them
                      sysfs="" if box.netns_fd >= 0 else self.shared_sysfs,
+                     # a memory group's member: a tmpfs of its own, capped at its own
+                     # memory_bytes - on the shared scratch the bound was the group's
+                     # limit, and one member's files (no OOM kill frees them) wedged its
+                     # group-mates (red team 26, H)
                      scratch=make_scratch_dir(self.shared_scratch, box.sid)
-                     if self.shared_scratch else "",
+                     if self.shared_scratch and self._memgroups.group_of(box.sid) is None
+                     else "",
                      lazy_pts=self.lazy_devpts and not box.spec.user_namespace)
 
         def on_reply(reply: Reply, fds: list[int]) -> None:
@@ -1030,7 +1054,14 @@ class ContainerBackend:
         are more, so each is still checked about every ``limits_poll_s``."""
         self._poll = None
         boxes = list(self._boxes.values())
-        if not boxes or self.limits_poll_s is None:
+        if self.limits_poll_s is None:
+            return
+        if self._poll_next % max(1, len(boxes)) == 0:   # once per pass over the boxes
+            self._settle_groups()
+        if not boxes:
+            if any(g.pending or g.retired for g in self._memgroups.groups.values()):
+                self._poll = asyncio.get_running_loop().call_later(self.limits_poll_s,
+                                                                   self._poll_limits)
             return
         start = self._poll_next % len(boxes)
         chunk = (boxes[start:] + boxes[:start])[:self._POLL_SLICE]
@@ -1192,37 +1223,60 @@ class ContainerBackend:
             self._check_oom(box, report=True)
 
     # -- memory groups (opt-in, dsec.edge.memgroups) ------------------------------------
-    def _group_dir(self, g: MemoryGroup) -> str:
-        return os.path.join(self.governor.layout.bases["memory"], g.name)
-
-    def _set_group_limit(self, g: MemoryGroup) -> None:
+    def _set_group_limit(self, g: MemoryGroup, *, lower: bool = True) -> None:
         """The group's limit to the sum of its members' (raised before a new member's
-        first task joins; lowered after a leaving one's tasks are dead). A lowering the
-        kernel refuses (the group holds more) keeps the old limit until the next change."""
+        first task joins; lowered after a leaving one's tasks are dead, once the group
+        fits - until then ``pending``, retried by the limits timer). ``lower=False``:
+        raise only (adopt: members not adopted yet still run in the group)."""
         soft = 0 if g.key[1] == "be" else g.limit_bytes
-        if not self.governor.set_group_memory(self._group_dir(g), g.limit_bytes,
-                                              soft_bytes=soft):
+        try:
+            done = self.governor.set_group_memory(g.dir, g.limit_bytes, soft_bytes=soft,
+                                                  lower=lower)
+        except OSError as exc:
+            log.warning("memory group %s: its limit could not be set to %d bytes: %s",
+                        g.dir, g.limit_bytes, exc)
+            g.pending = True
+            return
+        g.pending = not done
+        if not done and lower:
             log.info("memory group %s holds more than its members' new total of %d "
-                     "bytes: its limit stays higher until its next change", g.name,
-                     g.limit_bytes)
+                     "bytes: its limit is lowered once it fits", g.dir, g.limit_bytes)
 
     def _leave_memory_group(self, sid: str) -> None:
         """``sid`` leaves its memory group (if any); its last member removes the group's
-        cgroup. On the loop with no await between: no create joins it meanwhile."""
+        cgroup. On the loop with no await between: no create joins it meanwhile. A
+        group whose cgroup still holds a task is retired: never joined again, its name
+        never reused, its removal retried by the limits timer (red team 26, G)."""
         g = self._memgroups.leave(sid)
-        if g is None:
-            return
+        if g is not None:
+            self._settle_group(g)
+
+    def _settle_group(self, g: MemoryGroup) -> None:
         try:
             if g.members:
                 self._set_group_limit(g)
-            elif self.governor.remove_group(g.name):
-                self._memgroups.drop(g.name)
+            elif self.governor.remove_group(g.dir):
+                self._memgroups.drop(g.dir)
             else:
-                log.warning("memory group %s has no member left but still holds tasks; "
-                            "kept (reconcile removes it once empty)", g.name)
-                self._memgroups.drop(g.name)
+                if not g.retired:
+                    log.warning("memory group %s has no member left but still holds "
+                                "tasks; retired (removed once empty)", g.dir)
+                self._memgroups.retire(g.dir)
         except OSError as exc:
-            log.warning("memory group %s after sandbox %s left: %s", g.name, sid, exc)
+            log.warning("memory group %s: %s", g.dir, exc)
+
+    def _settle_groups(self) -> None:
+        """The limits timer: lowerings that waited for a group to fit, retired groups'
+        removal."""
+        for g in list(self._memgroups.groups.values()):
+            if g.pending or g.retired or not g.members:
+                self._settle_group(g)
+
+    def memory_group_of(self, sid: str) -> str:
+        """The memory group ``sid`` is in ("" for a memcg of its own): the node's
+        pressure policy pauses a group's members together (dsec.edge.qos.plan_relief)."""
+        g = self._memgroups.group_of(sid)
+        return "" if g is None else g.dir
 
     def _memory_limit(self, box: Box) -> int:
         """The memory limit that binds ``box``: its own, or its memory group's."""
@@ -1444,10 +1498,10 @@ class ContainerBackend:
             await self._teardown(sid, d, None, None)
             return False
         cg = SandboxCgroup(rec.cgroup_version, dict(rec.cgroup_dirs))  # type: ignore[arg-type]
-        group = os.path.basename(cg.dirs.get("memory", ""))
-        if is_group_name(group):   # in a memory group: tracked whatever this edge's size
+        gdir = cg.dirs.get("memory", "")
+        if is_group_name(os.path.basename(gdir)):   # tracked whatever this edge's size
             cg = SandboxCgroup(cg.version, cg.dirs, ("memory",))
-            self._memgroups.adopt(sid, group, spec.project or "", qos_of(spec),
+            self._memgroups.adopt(sid, gdir, spec.project or "", qos_of(spec),
                                   spec.memory_bytes)
         layers = RootLayers(tuple(rec.lowerdirs))
         try:
@@ -1488,7 +1542,9 @@ class ContainerBackend:
         g = self._memgroups.group_of(sid)
         if g is not None:
             g.oom_seen = max(g.oom_seen, box.oom_seen)
-            self._set_group_limit(g)
+            # raise only: group-mates not adopted yet run in it, with their share (red
+            # team 26, A); reconcile sets the exact sum once adoption is over
+            self._set_group_limit(g, lower=False)
         self._boxes[sid] = box
         self._peak_boxes = max(self._peak_boxes, len(self._boxes))
         self._watch_box(box)
@@ -1861,23 +1917,17 @@ class ContainerBackend:
                 log.exception("leftovers of sandbox %s: removal raised", sid)
                 out.append(Leftover(sid, self._kind, f"{census.describe(sid)}; could not "
                                     f"remove it: {type(exc).__name__}: {exc}"))
-        # memory groups no live sandbox is in (their members' leftovers are gone above:
-        # an empty group cgroup is only a cost - a memcg and its shrinker map)
-        for gdir in sorted(census.memory_groups):
-            name = os.path.basename(gdir)
-            g = self._memgroups.groups.get(name)
-            if g is not None and g.members:
-                continue
-            try:
-                emptied = await asyncio.to_thread(_rmdir_if_empty, gdir)
-            except OSError as exc:
-                emptied = False
-                log.warning("memory group cgroup %s: %s", gdir, exc)
-            if emptied:
-                self._memgroups.drop(name)
-            else:
-                log.warning("memory group cgroup %s holds tasks of no sandbox this edge "
-                            "has; kept", gdir)
+        # Memory groups: adoption is over, so each group's limit is its adopted members'
+        # sum (lowered once it fits); a group no live sandbox is in goes (its members'
+        # leftovers are gone above: an empty group is only a cost, a memcg and its
+        # shrinker map), or is retired while a task holds it - never reused.
+        for sid in [s for s in self._memgroups.of if s not in self._boxes]:
+            self._memgroups.leave(sid)     # an adopt that failed midway (red team 26, C)
+        for gdir in sorted(census.memory_groups | set(self._memgroups.groups)):
+            g = self._memgroups.groups.get(gdir)
+            if g is None:
+                g = self._memgroups.groups[gdir] = MemoryGroup(gdir, ("", ""))
+            self._settle_group(g)
         if self.network is not None:
             # after the census: the leftovers' processes (holding their slots' netns)
             # are dead, so their router links go (plan-14 §9.2)
@@ -1931,7 +1981,7 @@ class ContainerBackend:
         errors: list[str] = []
         cg_dirs = list(census.cgroups.get(sid, ()))
         managed = self.governor.paths(sid)
-        if self.governor.exists(managed):
+        if self.governor.present(managed):
             with contextlib.suppress(OSError):  # freeze, verified kill, thaw: no fork
                 # escapes, no pid number is signalled; in a thread (the freeze waits)
                 await asyncio.to_thread(self.governor.kill_all, managed)
@@ -2665,7 +2715,7 @@ class ContainerBackend:
                                 self._peak_boxes,
                                 SUPERBLOCKS_PER_SANDBOX
                                 - (1 if self.shared_sysfs and box.netns_fd < 0 else 0)
-                                - (1 if self.shared_scratch else 0)
+                                - (1 if self.shared_scratch and g is None else 0)
                                 - (1 if self.lazy_devpts and not box.spec.user_namespace
                                    else 0),
                                 memcg_share=1 if g is None else len(g.members)),

@@ -164,7 +164,9 @@ def claim_cgroup_name(cgroup_name: str, root_dir: str, *, names_dir: str = NAMES
     root dirs sharing one explicit ``cgroup_name`` reconciled each other's sandboxes
     away: an edge starting while the other was down killed all of its sandboxes. A
     name bound to another root dir that still exists is refused (``InUse``); one whose
-    root dir is gone is taken over (nothing there can be adopted any more)."""
+    root dir is gone is taken over (nothing there can be adopted any more). A name bound
+    to the same root dir by a live process (another backend on this root) is refused
+    too: one backend per root."""
     from dsec.errors import InUse, InvalidArgument
 
     if not valid_cgroup_name(cgroup_name):
@@ -178,6 +180,16 @@ def claim_cgroup_name(cgroup_name: str, root_dir: str, *, names_dir: str = NAMES
         owner = bound[0] if bound else None
         if bound == (root_dir, me):
             return
+        if bound is not None and owner == root_dir and bound[1] and bound[1] != me \
+                and _owner_alive(bound[1]):
+            # a second backend on a live one's root (an operator's second edge, a
+            # restart racing the old one): taking the name over bound it to whichever
+            # claimed last, and once that one was gone any container edge's start swept
+            # the live backend's empty cgroups - its base and pids total (red team 26, F/I)
+            raise InUse(f"cgroup name {cgroup_name!r} of root dir {root_dir} is held by a "
+                        f"live backend (process {bound[1].split()[0]}, see {path}); stop "
+                        "it before starting another on the same root",
+                        cgroup_name=cgroup_name, root_dir=root_dir)
         if owner and owner != root_dir and os.path.isdir(owner):
             raise InUse(f"cgroup name {cgroup_name!r} belongs to the container backend "
                         f"rooted at {owner} (see {path}); two root dirs sharing it would "
@@ -518,6 +530,13 @@ def _sweep(dirs: list[str]) -> OSError | None:
             continue
         for dirpath, _, _ in sorted(walk(top), key=lambda w: -w[0].count("/")):
             kill_tasks(dirpath)
+            # a v1-frozen task dies only once thawed: a paused sandbox's leftovers were
+            # SIGKILLed frozen and outlived every sweep (red team 26, E)
+            with contextlib.suppress(OSError):
+                state = os.path.join(dirpath, "freezer.state")
+                if os.path.exists(state):
+                    with open(state, "w") as f:
+                        f.write("THAWED")
             try:
                 os.rmdir(dirpath)
             except FileNotFoundError:
