@@ -165,6 +165,19 @@ async def test_members_share_only_the_memory_cgroup_and_its_limit_follows_them(
         m.setattr(backend_mod, "uncharged_bytes", lambda *a, **k: 0)
         st2 = await b.stats(a)
     assert st2.memory_bytes > 0 and st2.memory_host_bytes == st2.memory_bytes // 2
+    # what no OOM kill frees is capped at the member's own limit (red team 26, H): SysV
+    # shm and message queues in its own ipc namespace (each member its own), and its
+    # own /tmp tmpfs; /proc/sys stays read-only inside
+    out = await _sh(b, a2, "cat /proc/sys/kernel/shmmax /proc/sys/kernel/shmall "
+                           "/proc/sys/kernel/msgmni /proc/sys/kernel/msgmnb; df -k /tmp")
+    shmmax, shmall, msgmni, msgmnb = (int(x) for x in out.split()[:4])
+    assert (shmmax, shmall) == (96 * MIB, 96 * MIB // os.sysconf("SC_PAGE_SIZE"))
+    assert msgmni * msgmnb <= 96 * MIB
+    tmp_kib = int(out.splitlines()[-1].split()[1])
+    assert tmp_kib * 1024 <= 96 * MIB + (64 << 10)
+    assert "Read-only" in (await b.exec(a2, ExecRequest(
+        shell="echo 1 > /proc/sys/kernel/shmmax"))).stderr.decode()
+    assert int((await _sh(b, q, "cat /proc/sys/kernel/shmmax")).split()[0]) == 48 * MIB
     # nothing else is shared: processes, files
     await _sh(b, a, "echo mine > /tmp/a-file; sleep 300 >/dev/null 2>&1 &")
     assert "a-file" not in await _sh(b, a2, "ls /tmp")

@@ -62,6 +62,7 @@ from dsec.edge.backends.container.census import (
 )
 from dsec.edge.backends.container.density import (
     SUPERBLOCKS_PER_SANDBOX,
+    cap_sysv_ipc,
     make_scratch_dir,
     mount_shared_scratch,
     mount_shared_sysfs,
@@ -775,11 +776,20 @@ class ContainerBackend:
                     self._idle_oci_box(cg)
             else:
                 box.init_pid, fd = await self._native_create(box)
+                ipc = -1
                 try:   # read while the pidfd proves the pid still names the init
                     box.init_start = start_time(box.init_pid, running=True) or 0
+                    if self._memgroups.group_of(sid) is not None:
+                        ipc = os.open(f"/proc/{box.init_pid}/ns/ipc",
+                                      os.O_RDONLY | os.O_CLOEXEC)
                     linux.pidfd_send_signal(fd, 0)
                 finally:
                     os.close(fd)   # no descriptor per idle sandbox: the zygote reports exit
+                if ipc >= 0:       # before any command of the tenant's runs
+                    try:
+                        await asyncio.to_thread(cap_sysv_ipc, ipc, spec.memory_bytes)
+                    finally:
+                        os.close(ipc)
                 if not box.init_start:
                     raise BackendError(f"sandbox {sid}'s init (pid {box.init_pid}) exited "
                                        "as it started")

@@ -26,7 +26,7 @@ from dsec.edge.backends.container import linux
 from dsec.errors import BackendError
 from dsec.rmtree import remove_tree
 
-__all__ = ["SUPERBLOCKS_PER_SANDBOX", "make_scratch_dir", "mount_shared_scratch",
+__all__ = ["SUPERBLOCKS_PER_SANDBOX", "cap_sysv_ipc", "make_scratch_dir", "mount_shared_scratch",
            "mount_shared_sysfs", "release_shared_scratch", "remove_scratch_dir", "scratch_dirs", "uncharged_bytes",
            "unmount_shared_scratch", "unmount_shared_sysfs"]
 
@@ -53,6 +53,42 @@ def uncharged_bytes(peak_sandboxes: int, superblocks: int = SUPERBLOCKS_PER_SAND
     shrinker_map = -(-ids // 64) * 1024
     return (_OTHER_CGROUPS + superblocks * _SUPERBLOCK
             + (_MEMCG_BASE + shrinker_map) // max(1, memcg_share))
+
+
+def cap_sysv_ipc(ipc_ns_fd: int, memory_bytes: int) -> None:
+    """Cap the SysV shared memory and message queues of the ipc namespace ``ipc_ns_fd``
+    (a memory-group member's, dsec.edge.memgroups) at ``memory_bytes``: ``shmmax`` and
+    ``shmall`` (bytes, pages) and ``msgmni`` (queues of ``msgmnb`` bytes each). Both
+    live as long as the namespace - no OOM kill frees them - and are charged to the
+    memory cgroup, which in a group is the group's: uncapped (the kernel's defaults are
+    unlimited shm and 32,000 queues of 16 KiB, 512 MiB) one member could pin its whole
+    group's memory in them and every process of its group-mates would be OOM-killed
+    from then on (red team 26, H). The tenant cannot raise them: /proc/sys is read-only
+    in the sandbox. The ipc sysctls apply to the writing thread's ipc namespace, so the
+    writes run in a thread of their own that joins the namespace and then ends."""
+    import threading
+
+    err: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            linux.setns(ipc_ns_fd, linux.CLONE_NEWIPC)
+            page = os.sysconf("SC_PAGE_SIZE")
+            with open("/proc/sys/kernel/msgmnb") as f:
+                mnb = max(1, int(f.read()))
+            for name, value in (("shmmax", memory_bytes), ("shmall", memory_bytes // page),
+                                ("msgmni", max(1, memory_bytes // mnb))):
+                with open(f"/proc/sys/kernel/{name}", "w") as f:
+                    f.write(str(value))
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
+            err.append(exc)
+
+    t = threading.Thread(target=run, name="dsec-ipc-cap")
+    t.start()
+    t.join()
+    if err:
+        raise BackendError(f"cannot cap the SysV IPC of a memory-group member's ipc "
+                           f"namespace: {err[0]}") from err[0]
 
 
 def mount_shared_sysfs(path: str) -> str:
