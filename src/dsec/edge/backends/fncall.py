@@ -67,6 +67,7 @@ from dsec.edge.backends.container import linux
 from dsec.edge.backends.container.census import (
     cgroup_parents,
     claim_cgroup_name,
+    hand_over_cgroup_name,
     record_parents,
     recorded_parents,
     release_cgroup_name,
@@ -1151,6 +1152,8 @@ class FncallBackend:
             with contextlib.suppress(OSError, BackendError):
                 self.governor.remove_base()
             release_cgroup_name(self.governor.name, self.root)
+        elif self.governor is not None:   # left for a later adopt: the next may claim it
+            hand_over_cgroup_name(self.governor.name, self.root)
         ownership.disown(self.root)
 
     # ---------------------------------------------------------------- after a crash

@@ -53,6 +53,7 @@ from dsec.edge.backends.container.census import (
     cgroup_name_of,
     cgroup_parents,
     claim_cgroup_name,
+    hand_over_cgroup_name,
     reap_orphan_names,
     record_parents,
     recorded_parents,
@@ -1881,6 +1882,8 @@ class ContainerBackend:
             release_cgroup_name(self.cgroup_name, self.root_dir)
             if self._runsc is not None:   # no control socket left in its namespace
                 self._runsc.release()
+        else:   # sandboxes left for the next backend's adopt: it may claim the name
+            hand_over_cgroup_name(self.cgroup_name, self.root_dir)
         if self.shared_sysfs:
             # Always: sandboxes left running for a later adopt() keep their own binds of
             # it (their /sys/class/net reads empty once its namespace goes); the next

@@ -52,6 +52,7 @@ __all__ = [
     "cgroup_name_of",
     "cgroup_parents",
     "claim_cgroup_name",
+    "hand_over_cgroup_name",
     "kill_tasks",
     "live_owners",
     "mounts_below",
@@ -239,8 +240,13 @@ def process_identity(pid: int) -> str:
 
 
 def _owner_alive(owner: str) -> bool:
+    """The claimer still runs (a zombie - killed, not yet reaped by its parent - is
+    dead: a restart right after a kill -9 must not be refused as a second backend)."""
     pid, _, _ = owner.partition(" ")
-    return pid.isdigit() and process_identity(int(pid)) == owner
+    if not pid.isdigit():
+        return False
+    start = start_time(int(pid), running=True)
+    return start is not None and f"{pid} {start}" == owner
 
 
 def orphan_names(bindings: dict[str, tuple[str, str]], *, exists: Callable[[str], bool],
@@ -398,6 +404,22 @@ def reap_orphan_names(*, names_dir: str = NAMES_DIR,
                 os.unlink(os.path.join(names_dir, name))
             out[name] = dirs
         return out
+
+
+def hand_over_cgroup_name(cgroup_name: str, root_dir: str, *,
+                          names_dir: str = NAMES_DIR) -> None:
+    """A backend that closes leaving sandboxes for a later adopt keeps ``root_dir``'s
+    binding but no longer owns it: the owner is cleared (if it is this process), so the
+    next backend on the root may claim it while this process lives on (a claim is
+    refused while a live process owns it), and no sweep takes the cgroups of a name
+    without an owner for a dead claimer's (census.idle_names)."""
+    path = os.path.join(names_dir, cgroup_name)
+    with contextlib.suppress(OSError), _names_locked(names_dir):
+        if _binding(names_dir, cgroup_name) == (root_dir, process_identity(os.getpid())):
+            tmp = f"{path}.{os.getpid()}.tmp"
+            with open(tmp, "w") as f:
+                f.write(f"{root_dir}\n\n")
+            os.replace(tmp, path)
 
 
 def release_cgroup_name(cgroup_name: str, root_dir: str, *,

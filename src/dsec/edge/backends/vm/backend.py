@@ -43,7 +43,7 @@ import msgspec
 from dsec import statedir
 from dsec.edge.backend import DeathSink, Leftover
 from dsec.edge.backends.container.box import Box
-from dsec.edge.backends.container.census import claim_cgroup_name
+from dsec.edge.backends.container.census import claim_cgroup_name, hand_over_cgroup_name
 from dsec.edge.backends.container.images import ImageResolver, RootLayers, StoreImages
 from dsec.edge.backends.container.linux import fstatfs_type
 from dsec.edge.backends.container.snapshot import ContainerSnapshots
@@ -1926,3 +1926,5 @@ class VmBackend:
                 self.images.release(vm.layers)
                 vm.layers = None
         self._vms.clear()
+        if self._claimed is not None:   # VMs left for the next edge: it may claim the name
+            await asyncio.to_thread(hand_over_cgroup_name, self._claimed, self.root_dir)
