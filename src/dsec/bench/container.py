@@ -224,8 +224,11 @@ def _superblocks(b: object) -> int:
     """Superblocks each (loopback-only, no user namespace) sandbox of ``b`` adds to the
     host: what the per-memcg shrinker map grows with (docs/container.md, Density)."""
     from dsec.edge.backends.container.density import SUPERBLOCKS_PER_SANDBOX
+    # a memory group's member has a tmpfs of its own (its cap), not the shared scratch
+    grouped = getattr(b, "memory_group_size", 1) > 1
     return SUPERBLOCKS_PER_SANDBOX - sum(bool(getattr(b, k, False)) for k in (
-        "shared_sysfs", "shared_scratch", "lazy_devpts"))
+        "shared_sysfs", "shared_scratch", "lazy_devpts")) + int(
+        grouped and bool(getattr(b, "shared_scratch", False)))
 
 
 async def _density(ctx: BenchContext, b: object, spec: SandboxSpec, node: NodeId) -> None:
