@@ -743,6 +743,11 @@ class Governor:
             used = os.path.join(group_dir, "memory.memsw.usage_in_bytes" if memsw
                                 else "memory.usage_in_bytes")
             if not lower or int(_read(used)) > limit_bytes:
+                # the soft limit goes down at once: under node pressure global reclaim
+                # takes a group holding a departed member's share first (red team 27 C)
+                with contextlib.suppress(OSError):
+                    _write(os.path.join(group_dir, "memory.soft_limit_in_bytes"),
+                           str(min(soft_bytes, limit_bytes)))
                 return False
             files = [limit] if memsw is None else [limit, memsw]
         else:

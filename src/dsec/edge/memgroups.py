@@ -23,7 +23,8 @@ import hashlib
 import os
 from dataclasses import dataclass, field
 
-__all__ = ["GROUP_PREFIX", "MemoryGroup", "MemoryGroups", "group_name", "is_group_name"]
+__all__ = ["GROUP_PREFIX", "MemoryGroup", "MemoryGroups", "PinnedBudget", "group_name",
+           "groupable", "is_group_name", "pinned_budget"]
 
 #: every group's cgroup dir name starts with this; no sandbox id can ("sb-..."): the
 #: census and the leak checks tell a group from a sandbox by it
@@ -38,6 +39,37 @@ def group_name(project: str, qos: str, index: int) -> str:
 
 def is_group_name(name: str) -> bool:
     return name.startswith(GROUP_PREFIX)
+
+
+def groupable(user_namespace: bool, allow_nested: bool) -> bool:
+    """Whether a sandbox may join a memory group. Not one that can make namespaces of
+    its own (``allow_nested``): a new ipc or mount namespace has the kernel's defaults
+    again - unlimited SysV shm, a tmpfs of any size - and what it holds is charged to
+    the group and outlives OOM kills while a tiny process keeps it (red team 27 B). Not
+    a user-namespace sandbox: its ipc namespace belongs to its user namespace, and the
+    edge cannot write its caps (27 F). Both get a memory cgroup of their own."""
+    return not user_namespace and not allow_nested
+
+
+@dataclass(frozen=True, slots=True)
+class PinnedBudget:
+    """What a member may hold that no OOM kill frees (it lives as long as its init and
+    its ipc namespace), in bytes of memory charged to the group. Together at most
+    15/16 of its own memory_bytes, so no member can wedge its group-mates whatever it
+    pins (red team 26 H; 27 A: each capped at memory_bytes alone added up to 3x)."""
+
+    tmpfs_bytes: int       # /tmp, /dev, /dev/shm: file pages (nsexec caps inodes at 1/KiB)
+    shm_bytes: int         # SysV shared memory: shmmax, shmall
+    msg_bytes: int         # SysV message queues, worst case (msgmni)
+    sem_bytes: int         # SysV semaphores (kernel.sem)
+
+
+def pinned_budget(memory_bytes: int) -> PinnedBudget:
+    """A quarter each to tmpfs pages and (through nr_inodes, one per KiB) tmpfs inodes,
+    a quarter to SysV shm, an eighth to message queues, a sixteenth to semaphores."""
+    return PinnedBudget(tmpfs_bytes=max(1 << 20, memory_bytes // 4),
+                        shm_bytes=memory_bytes // 4, msg_bytes=memory_bytes // 8,
+                        sem_bytes=memory_bytes // 16)
 
 
 @dataclass

@@ -16,7 +16,14 @@ import pytest
 
 from dsec.edge.backends.container import ContainerBackend, DirectoryImages
 from dsec.edge.backends.container.density import uncharged_bytes
-from dsec.edge.memgroups import GROUP_PREFIX, MemoryGroups, group_name, is_group_name
+from dsec.edge.memgroups import (
+    GROUP_PREFIX,
+    MemoryGroups,
+    group_name,
+    groupable,
+    is_group_name,
+    pinned_budget,
+)
 from dsec.errors import BackendError, InvalidArgument
 from dsec.ids import SandboxId
 from dsec.wire.spec import ExecRequest, SandboxSpec
@@ -83,6 +90,26 @@ def test_the_host_memory_estimate_splits_the_memcg_between_members() -> None:
     assert own - shared == pytest.approx((own - uncharged_bytes(10_000, 3, memcg_share=10**9))
                                          * 3 / 4, rel=0.01)
     assert own - shared > 300 << 10
+
+
+def test_what_no_oom_kill_frees_fits_in_one_budget_of_the_members_own_memory() -> None:
+    from dsec.edge.backends.container.density import ipc_caps
+
+    for mib in (16, 64, 256, 4096):
+        m = mib * MIB
+        b = pinned_budget(m)
+        assert b.tmpfs_bytes * 2 + b.shm_bytes + b.msg_bytes + b.sem_bytes <= m or mib < 8
+        caps = dict(ipc_caps(m, page=4096, msgmnb=16384, sem=(32000, 1024000000, 500, 32000)))
+        assert int(caps["shmmax"]) == b.shm_bytes and int(caps["shmall"]) * 4096 == b.shm_bytes
+        assert int(caps["msgmni"]) * 16384 * 64 <= max(b.msg_bytes, 16384 * 64)
+        semmsl, semmns, semopm, semmni = (int(x) for x in caps["sem"].split())
+        assert semmns * 64 + semmni * 256 <= b.sem_bytes and semmsl <= semmns and semopm == 500
+
+
+def test_only_sandboxes_that_cannot_make_namespaces_join_groups() -> None:
+    assert groupable(user_namespace=False, allow_nested=False)
+    assert not groupable(user_namespace=True, allow_nested=False)
+    assert not groupable(user_namespace=False, allow_nested=True)
 
 
 # -- the real backend -------------------------------------------------------------------
@@ -165,19 +192,26 @@ async def test_members_share_only_the_memory_cgroup_and_its_limit_follows_them(
         m.setattr(backend_mod, "uncharged_bytes", lambda *a, **k: 0)
         st2 = await b.stats(a)
     assert st2.memory_bytes > 0 and st2.memory_host_bytes == st2.memory_bytes // 2
-    # what no OOM kill frees is capped at the member's own limit (red team 26, H): SysV
-    # shm and message queues in its own ipc namespace (each member its own), and its
-    # own /tmp tmpfs; /proc/sys stays read-only inside
+    # what no OOM kill frees is capped inside one budget of the member's own
+    # memory_bytes (pinned_budget): its own /tmp tmpfs (size and inodes) and its ipc
+    # namespace's SysV shm, queues and semaphores (each member its own namespace);
+    # /proc/sys stays read-only inside
+    budget = pinned_budget(96 * MIB)
     out = await _sh(b, a2, "cat /proc/sys/kernel/shmmax /proc/sys/kernel/shmall "
-                           "/proc/sys/kernel/msgmni /proc/sys/kernel/msgmnb; df -k /tmp")
-    shmmax, shmall, msgmni, msgmnb = (int(x) for x in out.split()[:4])
-    assert (shmmax, shmall) == (96 * MIB, 96 * MIB // os.sysconf("SC_PAGE_SIZE"))
-    assert msgmni * msgmnb <= 96 * MIB
-    tmp_kib = int(out.splitlines()[-1].split()[1])
-    assert tmp_kib * 1024 <= 96 * MIB + (64 << 10)
+                           "/proc/sys/kernel/msgmni /proc/sys/kernel/msgmnb "
+                           "/proc/sys/kernel/sem; df -k /tmp; df -i /tmp")
+    v = [int(x) for x in out.split()[:8]]
+    page = os.sysconf("SC_PAGE_SIZE")
+    assert (v[0], v[1]) == (budget.shm_bytes, budget.shm_bytes // page)
+    assert v[2] * v[3] * 64 <= budget.msg_bytes                      # worst case per queue
+    assert v[5] * 64 + v[7] * 256 <= budget.sem_bytes                # semmns, semmni
+    df, dfi = out.splitlines()[-3], out.splitlines()[-1]
+    assert int(df.split()[1]) * 1024 == budget.tmpfs_bytes
+    assert int(dfi.split()[1]) == budget.tmpfs_bytes // 1024
     assert "Read-only" in (await b.exec(a2, ExecRequest(
         shell="echo 1 > /proc/sys/kernel/shmmax"))).stderr.decode()
-    assert int((await _sh(b, q, "cat /proc/sys/kernel/shmmax")).split()[0]) == 48 * MIB
+    assert int((await _sh(b, q, "cat /proc/sys/kernel/shmmax")).split()[0]) == \
+        pinned_budget(48 * MIB).shm_bytes
     # nothing else is shared: processes, files
     await _sh(b, a, "echo mine > /tmp/a-file; sleep 300 >/dev/null 2>&1 &")
     assert "a-file" not in await _sh(b, a2, "ls /tmp")
@@ -217,7 +251,7 @@ async def test_an_oom_kill_is_reported_once_naming_the_group_and_pause_spares_a_
     assert len(ooms) == 1, ooms
     assert os.path.basename(b.box(a).cg.dirs["memory"]) in ooms[0][2]
     # pausing one member pushes nothing of the group out while the other runs
-    await _sh(b, a2, "head -c 16777216 /dev/zero > /dev/shm/keep")
+    await _sh(b, a2, "head -c 4194304 /dev/zero > /dev/shm/keep")   # (its tmpfs: 8 MiB)
     ps = await b.pause(a)
     assert ps.reclaimed_bytes == 0
     assert (await b.exec(a2, ExecRequest(argv=("true",)))).exit_code == 0

@@ -65,7 +65,8 @@ async def test_a_member_leaving_leaves_limit_and_memsw_equal(
     limit = group_file(gdir, "memory.limit_in_bytes")
     memsw = group_file(gdir, "memory.memsw.limit_in_bytes")
     soft = group_file(gdir, "memory.soft_limit_in_bytes")
-    assert memsw == limit and soft == limit, (
+    # (the soft limit may go lower at once: red team 27 C)
+    assert memsw == limit and soft <= limit, (
         f"after a member left, the group's limit is {limit >> 20} MiB but memsw "
         f"{memsw >> 20} MiB and soft {soft >> 20} MiB: its remaining member may hold "
         f"{(memsw - limit) >> 20} MiB in swap")

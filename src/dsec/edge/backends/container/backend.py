@@ -89,7 +89,7 @@ from dsec.edge.backends.container.protocol import (
     Started,
     exec_failure,
 )
-from dsec.edge.backends.container.rootfs import SHM_BYTES, build_env, overlay_options
+from dsec.edge.backends.container.rootfs import build_env, overlay_options
 from dsec.edge.backends.container.snapshot import ContainerSnapshots
 from dsec.edge.backends.container.state import BoxRecord, load_record, save_record
 from dsec.edge.fdkeeper import reset_ignored_signals
@@ -105,7 +105,13 @@ from dsec.edge.governor import (
     pids_budget,
     sandbox_pids,
 )
-from dsec.edge.memgroups import MemoryGroup, MemoryGroups, is_group_name
+from dsec.edge.memgroups import (
+    MemoryGroup,
+    MemoryGroups,
+    groupable,
+    is_group_name,
+    pinned_budget,
+)
 from dsec.edge.notices import NoticeLimiter
 from dsec.edge.qos import (
     CpuSuppressor,
@@ -437,6 +443,7 @@ class ContainerBackend:
             #: earlier edge made are still tracked for their members' adopt and teardown)
             self.memory_group_size = memory_group_size
             self._memgroups = MemoryGroups(max(2, memory_group_size))
+            self._unsettled: set[str] = set()   # groups the limits timer settles
             #: CPU pinning per QoS class (issue 22; None: none)
             self.qos_cpus = None if qos_cpus is None else parse_class_cpus(
                 qos_cpus, parse_cpulist(self.governor.node_cpus))
@@ -746,7 +753,8 @@ class ContainerBackend:
                 group = self._memgroups.join(sid, self.governor.layout.bases["memory"],
                                              spec.project or "", qos_of(spec),
                                              spec.memory_bytes) \
-                    if self.memory_group_size > 1 else None
+                    if self.memory_group_size > 1 and groupable(spec.user_namespace,
+                                                                spec.allow_nested) else None
                 try:
                     cg = self.governor.create(sid, Limits(
                         spec.cpu_milli, spec.memory_bytes, pids, qos_of(spec),
@@ -891,13 +899,13 @@ class ContainerBackend:
 
     def _tmp_bytes(self, box: Box) -> int:
         """The size of a sandbox's own tmpfs past its /dev/shm (nsexec.c: 64 KiB +
-        SHM_BYTES + this): its memory limit bounds it anyway - except in a memory group,
-        whose limit is the group's, so there the whole tmpfs is capped at the member's
-        own memory_bytes (at least /dev/shm's 64 MiB): no member can pin its group's
-        memory in files no OOM kill frees (red team 26, H)."""
+        SHM_BYTES + this): its memory limit bounds it anyway. In a memory group, whose
+        limit is the group's, the whole tmpfs is the member's tmpfs budget (negative: a
+        total, with an inode cap - dsec.edge.memgroups.pinned_budget): no member can pin
+        its group's memory in files no OOM kill frees (red team 26 H, 27 E/M)."""
         if self._memgroups.group_of(box.sid) is None:
             return box.spec.memory_bytes
-        return max(0, box.spec.memory_bytes - SHM_BYTES - (64 << 10))
+        return -pinned_budget(box.spec.memory_bytes).tmpfs_bytes
 
     async def _native_create(self, box: Box) -> tuple[int, int]:
         loop = asyncio.get_running_loop()
@@ -1067,12 +1075,9 @@ class ContainerBackend:
         boxes = list(self._boxes.values())
         if self.limits_poll_s is None:
             return
-        if self._poll_next % max(1, len(boxes)) == 0:   # once per pass over the boxes
-            self._settle_groups()
+        self._settle_groups()
         if not boxes:
-            if any(g.pending or g.retired for g in self._memgroups.groups.values()):
-                self._poll = asyncio.get_running_loop().call_later(self.limits_poll_s,
-                                                                   self._poll_limits)
+            self._poll_groups_later()
             return
         start = self._poll_next % len(boxes)
         chunk = (boxes[start:] + boxes[:start])[:self._POLL_SLICE]
@@ -1249,6 +1254,7 @@ class ContainerBackend:
             g.pending = True
             return
         g.pending = not done
+        self._mark_unsettled(g)
         if not done and lower:
             log.info("memory group %s holds more than its members' new total of %d "
                      "bytes: its limit is lowered once it fits", g.dir, g.limit_bytes)
@@ -1273,15 +1279,37 @@ class ContainerBackend:
                     log.warning("memory group %s has no member left but still holds "
                                 "tasks; retired (removed once empty)", g.dir)
                 self._memgroups.retire(g.dir)
+                self._mark_unsettled(g)
         except OSError as exc:
             log.warning("memory group %s: %s", g.dir, exc)
 
+    def _mark_unsettled(self, g: MemoryGroup) -> None:
+        if g.pending or g.retired:
+            self._unsettled.add(g.dir)
+        else:
+            self._unsettled.discard(g.dir)
+
     def _settle_groups(self) -> None:
-        """The limits timer: lowerings that waited for a group to fit, retired groups'
+        """The limits timer, every tick (only the groups that wait: a set, not a scan -
+        red team 27 G): lowerings that waited for a group to fit, retired groups'
         removal."""
-        for g in list(self._memgroups.groups.values()):
-            if g.pending or g.retired or not g.members:
-                self._settle_group(g)
+        for d in list(self._unsettled):
+            g = self._memgroups.groups.get(d)
+            if g is None:
+                self._unsettled.discard(d)
+                continue
+            self._settle_group(g)
+            if d not in self._memgroups.groups:
+                self._unsettled.discard(d)
+            else:
+                self._mark_unsettled(g)
+
+    def _poll_groups_later(self) -> None:
+        """Keep the limits timer going while a group waits, even with no sandbox held
+        (a group retired at reconcile, red team 27 L)."""
+        if self._unsettled and self._poll is None and self.limits_poll_s is not None:
+            self._poll = asyncio.get_running_loop().call_later(self.limits_poll_s,
+                                                               self._poll_limits)
 
     def memory_group_of(self, sid: str) -> str:
         """The memory group ``sid`` is in ("" for a memcg of its own): the node's
@@ -1941,6 +1969,7 @@ class ContainerBackend:
             if g is None:
                 g = self._memgroups.groups[gdir] = MemoryGroup(gdir, ("", ""))
             self._settle_group(g)
+        self._poll_groups_later()
         if self.network is not None:
             # after the census: the leftovers' processes (holding their slots' netns)
             # are dead, so their router links go (plan-14 §9.2)

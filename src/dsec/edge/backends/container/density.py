@@ -55,17 +55,42 @@ def uncharged_bytes(peak_sandboxes: int, superblocks: int = SUPERBLOCKS_PER_SAND
             + (_MEMCG_BASE + shrinker_map) // max(1, memcg_share))
 
 
+#: kernel memory per SysV message at most (struct msg_msg, kmalloc'd: 48 B -> 64 B): a
+#: queue holds up to msgmnb bytes *and* up to msgmnb messages (0-byte ones cost only
+#: this), so its worst case is 64 x msgmnb (red team 27 K)
+_MSG_HEADER = 64
+#: kernel memory per SysV semaphore (struct sem, cache-line aligned) and per array
+_SEM_BYTES, _SEM_ARRAY_BYTES = 64, 256
+
+
+def ipc_caps(memory_bytes: int, *, page: int, msgmnb: int,
+             sem: tuple[int, int, int, int]) -> list[tuple[str, str]]:
+    """The ipc sysctls that keep a member's SysV objects inside its budget
+    (:func:`dsec.edge.memgroups.pinned_budget`), as ``(name, value)`` (pure). ``sem``:
+    the namespace's ``kernel.sem`` now (SEMMSL SEMMNS SEMOPM SEMMNI)."""
+    from dsec.edge.memgroups import pinned_budget
+
+    b = pinned_budget(memory_bytes)
+    semmsl, _semmns, semopm, _semmni = sem
+    semmns = max(1, b.sem_bytes // 2 // _SEM_BYTES)
+    semmni = max(1, b.sem_bytes // 2 // _SEM_ARRAY_BYTES)
+    return [("shmmax", str(max(page, b.shm_bytes))),
+            ("shmall", str(max(1, b.shm_bytes // page))),
+            ("msgmni", str(max(1, b.msg_bytes // (_MSG_HEADER * max(1, msgmnb))))),
+            ("sem", f"{min(semmsl, semmns)} {semmns} {semopm} {min(semmni, 32000)}")]
+
+
 def cap_sysv_ipc(ipc_ns_fd: int, memory_bytes: int) -> None:
-    """Cap the SysV shared memory and message queues of the ipc namespace ``ipc_ns_fd``
-    (a memory-group member's, dsec.edge.memgroups) at ``memory_bytes``: ``shmmax`` and
-    ``shmall`` (bytes, pages) and ``msgmni`` (queues of ``msgmnb`` bytes each). Both
-    live as long as the namespace - no OOM kill frees them - and are charged to the
-    memory cgroup, which in a group is the group's: uncapped (the kernel's defaults are
-    unlimited shm and 32,000 queues of 16 KiB, 512 MiB) one member could pin its whole
-    group's memory in them and every process of its group-mates would be OOM-killed
-    from then on (red team 26, H). The tenant cannot raise them: /proc/sys is read-only
-    in the sandbox. The ipc sysctls apply to the writing thread's ipc namespace, so the
-    writes run in a thread of their own that joins the namespace and then ends."""
+    """Cap the SysV shared memory, message queues and semaphores of the ipc namespace
+    ``ipc_ns_fd`` (a memory-group member's, dsec.edge.memgroups) to its budget
+    (:func:`ipc_caps`). They live as long as the namespace - no OOM kill frees them -
+    and are charged to the memory cgroup, which in a group is the group's: uncapped (the
+    kernel's defaults are unlimited shm, 32,000 queues and 32,000 semaphore arrays) one
+    member could pin its whole group's memory in them and every process of its
+    group-mates would be OOM-killed from then on (red team 26 H, 27 A/I/K). The tenant
+    cannot raise them: /proc/sys is read-only in the sandbox. The ipc sysctls apply to
+    the writing thread's ipc namespace, so the writes run in a thread of their own that
+    joins the namespace and then ends."""
     import threading
 
     err: list[BaseException] = []
@@ -73,13 +98,14 @@ def cap_sysv_ipc(ipc_ns_fd: int, memory_bytes: int) -> None:
     def run() -> None:
         try:
             linux.setns(ipc_ns_fd, linux.CLONE_NEWIPC)
-            page = os.sysconf("SC_PAGE_SIZE")
             with open("/proc/sys/kernel/msgmnb") as f:
                 mnb = max(1, int(f.read()))
-            for name, value in (("shmmax", memory_bytes), ("shmall", memory_bytes // page),
-                                ("msgmni", max(1, memory_bytes // mnb))):
+            with open("/proc/sys/kernel/sem") as f:
+                a, b, c, d = (int(x) for x in f.read().split())
+            for name, value in ipc_caps(memory_bytes, page=os.sysconf("SC_PAGE_SIZE"),
+                                        msgmnb=mnb, sem=(a, b, c, d)):
                 with open(f"/proc/sys/kernel/{name}", "w") as f:
-                    f.write(str(value))
+                    f.write(value)
         except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
             err.append(exc)
 

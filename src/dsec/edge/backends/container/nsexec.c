@@ -1042,10 +1042,18 @@ static void build_root_outer(int nlower, char **lowers, const char *upper, const
         } else {
             int fs = (int)syscall(SYS_fsopen, "tmpfs", FSOPEN_CLOEXEC);
             if (fs < 0) die(1, "fsopen tmpfs");
-            snprintf(opts, sizeof opts, "%lld",
-                     (long long)DSEC_SHM_BYTES + (64 << 10) + tmp_bytes);
+            /* tmp_bytes < 0: the whole tmpfs is -tmp_bytes, with one inode per KiB of it
+             * at most (a memory group's member: what no OOM kill frees - file pages and
+             * inodes - stays inside its own budget, red team 27 E/M) */
+            long long total = tmp_bytes < 0 ? -tmp_bytes
+                                            : (long long)DSEC_SHM_BYTES + (64 << 10) + tmp_bytes;
+            char inodes[32];
+            snprintf(inodes, sizeof inodes, "%lld", total / 1024 > 256 ? total / 1024 : 256);
+            snprintf(opts, sizeof opts, "%lld", total);
             if (syscall(SYS_fsconfig, fs, FSCONFIG_SET_STRING, "source", "tmpfs", 0) < 0 ||
                 syscall(SYS_fsconfig, fs, FSCONFIG_SET_STRING, "size", opts, 0) < 0 ||
+                (tmp_bytes < 0 &&
+                 syscall(SYS_fsconfig, fs, FSCONFIG_SET_STRING, "nr_inodes", inodes, 0) < 0) ||
                 syscall(SYS_fsconfig, fs, FSCONFIG_SET_STRING, "mode", "755", 0) < 0 ||
                 syscall(SYS_fsconfig, fs, FSCONFIG_CMD_CREATE, NULL, NULL, 0) < 0)
                 die(1, "fsconfig tmpfs size=%s", opts);
