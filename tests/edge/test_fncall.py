@@ -589,3 +589,21 @@ async def test_reconcile_claims_the_cgroup_name_back_from_a_dead_claimer(tmp_pat
         assert _binding(NAMES_DIR, name) == (b.root, process_identity(os.getpid()))
     finally:
         await b.close()
+
+
+@needs_root
+async def test_discard_removes_a_partial_cgroup_set(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A create or teardown cut off between hierarchies leaves some of a sandbox's
+    cgroup dirs: discard acted only when all were there (``exists``), so the rest stayed
+    for good. Any one present is now removed (``present``)."""
+    b = FncallBackend(pool_size=1, root=str(tmp_path / "root"))
+    try:
+        assert b.governor is not None
+        cg = b.governor.paths("sb-partial")
+        one = next(iter(cg.dirs.values()))
+        os.mkdir(one)
+        left = await b.discard("sb-partial")  # type: ignore[arg-type]
+        assert left is not None and "cgroup" in left.what
+        assert not os.path.exists(one)
+    finally:
+        await b.close()

@@ -349,3 +349,16 @@ async def test_reconcile_claims_the_cgroup_name_back_from_a_dead_claimer(
     assert idle_names({name: bound}, exists=os.path.isdir, alive=lambda o: False) == [name]
     await bare.reconcile(set())
     assert _binding(NAMES_DIR, name) == (bare.root_dir, process_identity(os.getpid()))
+
+
+async def test_reconcile_removes_a_partial_cgroup_set(bare: VmBackend) -> None:
+    """A create or teardown cut off between hierarchies leaves some of a sandbox's
+    cgroup dirs: reconcile used to act only when all were there (``exists``), so the
+    rest stayed for good. Any one present is now killed and removed (``present``)."""
+    cg = bare.governor.paths("sb-partial")
+    one = next(iter(cg.dirs.values()))
+    os.mkdir(one)
+    assert bare.governor.present(cg) and not bare.governor.exists(cg)
+    left = await bare.reconcile(set())
+    assert [x.sandbox_id for x in left] == ["sb-partial"] and "cgroup" in left[0].what
+    assert not os.path.exists(one)

@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 
 from dsec.edge.backends.container import ContainerBackend, DirectoryImages
-from dsec.wire.spec import SandboxSpec
+from dsec.wire.spec import ExecRequest, SandboxSpec
 from tests.edge.container.conftest import _cleanup
 from tests.security.conftest import images_dir, probe_binary  # noqa: F401  (pytest fixtures)
 from tests.security.redteam26.conftest import group_file, oom_kills, read  # noqa: F401
@@ -48,3 +48,17 @@ async def grouped(tmp_path: object, hog_images: str) -> AsyncIterator[ContainerB
         yield b
     finally:
         await _cleanup(b)
+
+
+async def mate_answers(b: ContainerBackend, mate: str, gdir: str) -> tuple[list[object], int]:
+    """The group-mate runs ``true`` three times: each (exit code, oom_killed), or the
+    error when its init was OOM-killed too; and the OOM kills in the group meanwhile."""
+    before = oom_kills(gdir)
+    results: list[object] = []
+    for _ in range(3):
+        try:
+            r = await b.exec(mate, ExecRequest(argv=("true",), timeout_s=30))  # type: ignore[arg-type]
+            results.append((r.exit_code, r.oom_killed))
+        except Exception as exc:  # noqa: BLE001 - the mate's init OOM-killed
+            results.append((-1, repr(exc)[:120]))
+    return results, oom_kills(gdir) - before

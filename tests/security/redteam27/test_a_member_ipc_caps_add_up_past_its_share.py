@@ -24,7 +24,7 @@ from dsec.edge.backends.container import ContainerBackend
 from dsec.wire.spec import ExecRequest
 from tests.edge.container.conftest import new_sid
 
-from .conftest import group_file, oom_kills, spec
+from .conftest import group_file, mate_answers, spec
 
 pytestmark = [pytest.mark.root]
 
@@ -39,15 +39,7 @@ async def test_member_ipc_caps_fit_its_own_share(grouped: ContainerBackend) -> N
     w = await b.exec(a, ExecRequest(shell="hog shm 30 30 30; hog msg 64; cat /tmp/x 2>/dev/null; head -c 8m /dev/zero > /tmp/x; ls -l /tmp/x", timeout_s=60))
     held = b.governor.memory_shmem(b.box(a).cg)
     usage = group_file(gdir, "memory.usage_in_bytes")
-    before = oom_kills(gdir)
-    results = []
-    for _ in range(3):
-        try:
-            r = await b.exec(mate, ExecRequest(argv=("true",), timeout_s=30))
-            results.append((r.exit_code, r.oom_killed))
-        except Exception as exc:  # noqa: BLE001 - the mate's init OOM-killed
-            results.append((-1, repr(exc)[:120]))
-    kills = oom_kills(gdir) - before
+    results, kills = await mate_answers(b, mate, gdir)
     assert results == [(0, False)] * 3 and kills == 0, (
         f"member {a} (memory_bytes 64 MiB) pinned SysV shm {held >> 20} MiB + message "
         f"queues in its ipc namespace, group usage {usage >> 20} MiB ({w.stdout.decode().strip()!r}); its group-mate's "

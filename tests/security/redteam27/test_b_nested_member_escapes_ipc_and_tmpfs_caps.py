@@ -24,7 +24,7 @@ from dsec.edge.backends.container import ContainerBackend
 from dsec.wire.spec import ExecRequest
 from tests.edge.container.conftest import new_sid
 
-from .conftest import oom_kills, spec
+from .conftest import mate_answers, spec
 
 pytestmark = [pytest.mark.root]
 
@@ -41,15 +41,7 @@ async def test_nested_member_cannot_pin_past_its_share(grouped: ContainerBackend
         return   # fixed by keeping a nesting sandbox out of groups: its memcg bounds it
     w = await b.exec(a, ExecRequest(shell=f"hog {how} 124; head -c 8m /dev/zero > /tmp/x", timeout_s=60))
     held = b.governor.memory_shmem(b.box(a).cg)
-    before = oom_kills(gdir)
-    results = []
-    for _ in range(3):
-        try:
-            r = await b.exec(mate, ExecRequest(argv=("true",), timeout_s=30))
-            results.append((r.exit_code, r.oom_killed))
-        except Exception as exc:  # noqa: BLE001 - the mate's init OOM-killed
-            results.append((-1, repr(exc)[:120]))
-    kills = oom_kills(gdir) - before
+    results, kills = await mate_answers(b, mate, gdir)
     assert held <= 64 << 20 and results == [(0, False)] * 3 and kills == 0, (
         f"member {a} (memory_bytes 64 MiB, allow_nested) holds {held >> 20} MiB of shmem "
         f"in the group via a namespace of its own ({w.stdout.decode().strip()!r}); its "

@@ -22,7 +22,7 @@ from dsec.edge.backends.container import ContainerBackend
 from dsec.wire.spec import ExecRequest
 from tests.edge.container.conftest import new_sid
 
-from .conftest import group_file, oom_kills, spec
+from .conftest import group_file, mate_answers, spec
 
 pytestmark = [pytest.mark.root]
 
@@ -37,15 +37,7 @@ async def test_member_tmpfs_inodes_stay_in_its_share(grouped: ContainerBackend) 
     w = await b.exec(a, ExecRequest(shell="mkdir /tmp/d; hog files /tmp/d 110000; "
                                           "df -k /tmp | tail -1", timeout_s=120))
     kmem = group_file(gdir, "memory.kmem.usage_in_bytes")
-    before = oom_kills(gdir)
-    results = []
-    for _ in range(3):
-        try:
-            r = await b.exec(mate, ExecRequest(argv=("true",), timeout_s=30))
-            results.append((r.exit_code, r.oom_killed))
-        except Exception as exc:  # noqa: BLE001 - the mate's init OOM-killed
-            results.append((-1, repr(exc)[:120]))
-    kills = oom_kills(gdir) - before
+    results, kills = await mate_answers(b, mate, gdir)
     assert results == [(0, False)] * 3 and kills == 0, (
         f"member {a} (memory_bytes 64 MiB) made empty files in its tmpfs "
         f"({w.stdout.decode().strip()!r}): the group's kernel memory is {kmem >> 20} MiB; "

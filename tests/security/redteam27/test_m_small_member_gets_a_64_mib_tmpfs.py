@@ -21,7 +21,7 @@ from dsec.edge.backends.container import ContainerBackend
 from dsec.wire.spec import ExecRequest
 from tests.edge.container.conftest import new_sid
 
-from .conftest import oom_kills, spec
+from .conftest import mate_answers, spec
 
 pytestmark = [pytest.mark.root]
 
@@ -36,15 +36,7 @@ async def test_small_member_tmpfs_stays_in_its_share(grouped: ContainerBackend) 
     w = await b.exec(a, ExecRequest(shell="df -k /dev/shm | tail -1; "
                                           "head -c 40m /dev/zero > /dev/shm/x", timeout_s=60))
     held = b.governor.memory_shmem(b.box(a).cg)
-    before = oom_kills(gdir)
-    results = []
-    for _ in range(3):
-        try:
-            r = await b.exec(mate, ExecRequest(argv=("true",), timeout_s=30))
-            results.append((r.exit_code, r.oom_killed))
-        except Exception as exc:  # noqa: BLE001 - the mate's init OOM-killed
-            results.append((-1, repr(exc)[:120]))
-    kills = oom_kills(gdir) - before
+    results, kills = await mate_answers(b, mate, gdir)
     assert held <= 16 << 20 and results == [(0, False)] * 3 and kills == 0, (
         f"member {a} (memory_bytes 16 MiB) holds {held >> 20} MiB of tmpfs "
         f"({w.stdout.decode().strip()!r}); its group-mate's `true` x3: {results}, "

@@ -1032,7 +1032,7 @@ class FncallBackend:
         gov = self.governor
         if gov is not None:
             cg = box.cg if box is not None and box.cg is not None else gov.paths(sid)
-            if gov.exists(cg) and gov.pids(cg):
+            if gov.present(cg) and gov.pids(cg):
                 gov.kill_all(cg)  # stragglers from before an edge restart
             gov.remove(cg)
         self._notices.forget(sid)
@@ -1222,7 +1222,7 @@ class FncallBackend:
             return None
         if self.disk is not None and self.governor is not None:
             if not (os.path.lexists(self.work_dir(sid))
-                    or self.governor.exists(self.governor.paths(sid))):
+                    or self.governor.present(self.governor.paths(sid))):
                 return None
             return await asyncio.to_thread(self._discard_jailed, sid)
         d = os.path.join(self.root, sid)
@@ -1237,8 +1237,8 @@ class FncallBackend:
         assert gov is not None
         cg = gov.paths(name)
         found = (["work directory"] if os.path.lexists(self.work_dir(name)) else []) + \
-            (["cgroup"] if gov.exists(cg) else [])
-        n = len(gov.pids(cg)) if gov.exists(cg) else 0
+            (["cgroup"] if gov.present(cg) else [])
+        n = len(gov.pids(cg)) if gov.present(cg) else 0
         try:
             self._teardown(name, None)
         except BackendError as exc:

@@ -2811,19 +2811,6 @@ def _legacy_rw_dirs(d: str) -> tuple[str, str]:
     return os.path.join(base, "upper"), os.path.join(base, "work")
 
 
-def _rmdir_if_empty(d: str) -> bool:
-    """rmdir a cgroup dir; False if it still holds a task or a child (EBUSY)."""
-    try:
-        os.rmdir(d)
-    except FileNotFoundError:
-        return True
-    except OSError as exc:
-        if exc.errno != errno.EBUSY:
-            raise
-        return False
-    return True
-
-
 def _tree_bytes(path: str) -> int:
     total = 0
     for dirpath, dirnames, filenames in walk(path):   # tenant-shaped: no recursion

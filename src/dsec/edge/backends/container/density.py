@@ -61,6 +61,10 @@ def uncharged_bytes(peak_sandboxes: int, superblocks: int = SUPERBLOCKS_PER_SAND
 _MSG_HEADER = 64
 #: kernel memory per SysV semaphore (struct sem, cache-line aligned) and per array
 _SEM_BYTES, _SEM_ARRAY_BYTES = 64, 256
+#: what a new ipc namespace starts with (include/uapi/linux/msg.h MSGMNB, sem.h SEMMSL
+#: SEMMNS SEMOPM SEMMNI): the member's namespace is new, so nothing is read first - each
+#: /proc/sys access is on the create path and costs more the more namespaces exist
+_NEW_NS_MSGMNB, _NEW_NS_SEM = 16384, (32000, 1024000000, 500, 32000)
 
 
 def ipc_caps(memory_bytes: int, *, page: int, msgmnb: int,
@@ -98,12 +102,8 @@ def cap_sysv_ipc(ipc_ns_fd: int, memory_bytes: int) -> None:
     def run() -> None:
         try:
             linux.setns(ipc_ns_fd, linux.CLONE_NEWIPC)
-            with open("/proc/sys/kernel/msgmnb") as f:
-                mnb = max(1, int(f.read()))
-            with open("/proc/sys/kernel/sem") as f:
-                a, b, c, d = (int(x) for x in f.read().split())
             for name, value in ipc_caps(memory_bytes, page=os.sysconf("SC_PAGE_SIZE"),
-                                        msgmnb=mnb, sem=(a, b, c, d)):
+                                        msgmnb=_NEW_NS_MSGMNB, sem=_NEW_NS_SEM):
                 with open(f"/proc/sys/kernel/{name}", "w") as f:
                     f.write(value)
         except BaseException as exc:  # noqa: BLE001 - re-raised in the caller

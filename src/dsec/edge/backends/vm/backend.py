@@ -851,8 +851,7 @@ class VmBackend:
         elif self._alive(vm):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(vm.rec.pid, signal.SIGKILL)
-        if self.governor.exists(vm.cg):
-            self.governor.kill_all(vm.cg)
+        self.governor.kill_all(vm.cg)     # (acts on whatever of its cgroups is there)
 
     def _close_handles(self, vm: _Vm) -> None:
         if vm.pidfd is not None:
@@ -1896,7 +1895,7 @@ class VmBackend:
         if killed:
             what.append(killed)
         cg = self.governor.paths(sid)
-        if self.governor.exists(cg):
+        if self.governor.present(cg):   # any dir: a set cut off between hierarchies too
             self.governor.kill_all(cg)
             with contextlib.suppress(DsecError):
                 self.governor.remove(cg, wait_s=5.0)
