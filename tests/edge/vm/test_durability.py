@@ -23,7 +23,7 @@ from dsec.edge.backends.container import DirectoryImages
 from dsec.edge.backends.container.linux import fstatfs_type
 from dsec.edge.backends.vm.backend import TMPFS_MAGIC, VmBackend, _Record, _Vm
 from dsec.edge.backends.vm.density import DensityOptions, prepare_pmem_layer
-from dsec.errors import BackendError, CapacityExceeded
+from dsec.errors import BackendError, CapacityExceeded, DsecError
 from dsec.ids import SandboxId
 from dsec.wire.spec import SandboxSpec
 from tests.syscall_order import assert_durable, record_syscalls
@@ -47,6 +47,9 @@ async def bare(tmp_path: Any) -> AsyncIterator[VmBackend]:
         yield b
     finally:
         await b.close()
+        for sid in b.governor.list_sandboxes():   # cgroups a test's resume made
+            with contextlib.suppress(DsecError):
+                b.governor.remove(b.governor.paths(sid))
         with contextlib.suppress(OSError):
             b.governor.remove_base()
 
