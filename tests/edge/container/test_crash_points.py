@@ -671,3 +671,30 @@ async def test_reconcile_claims_the_cgroup_name_back_from_a_dead_claimer(
     assert _binding(NAMES_DIR, name) == (backend.root_dir, "999999 1")
     await backend.reconcile(set())
     assert _binding(NAMES_DIR, name) == (backend.root_dir, process_identity(os.getpid()))
+
+
+def test_a_handed_over_name_is_claimable_and_its_empty_cgroups_are_swept(
+        tmp_path: Path) -> None:
+    """A backend that closes leaving sandboxes hands its name over: the next backend on
+    the root may claim it although the process lives on, and an empty cgroup of it goes
+    at any start's sweep, as a dead claimer's would (with the owner cleared to "" an
+    idle vm tier's empty base was left for good)."""
+    from dsec.edge.backends.container.census import (
+        _binding,
+        claim_cgroup_name,
+        hand_over_cgroup_name,
+        idle_names,
+        process_identity,
+    )
+
+    names = str(tmp_path / "names")
+    root = str(tmp_path / "root")
+    os.makedirs(root)
+    claim_cgroup_name("ho-x", root, names_dir=names)
+    assert _binding(names, "ho-x") == (root, process_identity(os.getpid()))
+    hand_over_cgroup_name("ho-x", root, names_dir=names)
+    bound = _binding(names, "ho-x")
+    assert bound is not None and bound[0] == root and bound[1]
+    assert idle_names({"ho-x": bound}, exists=os.path.isdir,
+                      alive=lambda o: o == process_identity(os.getpid())) == ["ho-x"]
+    claim_cgroup_name("ho-x", root, names_dir=names)      # claimable again, no InUse

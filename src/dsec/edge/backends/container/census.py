@@ -409,17 +409,24 @@ def reap_orphan_names(*, names_dir: str = NAMES_DIR,
 def hand_over_cgroup_name(cgroup_name: str, root_dir: str, *,
                           names_dir: str = NAMES_DIR) -> None:
     """A backend that closes leaving sandboxes for a later adopt keeps ``root_dir``'s
-    binding but no longer owns it: the owner is cleared (if it is this process), so the
-    next backend on the root may claim it while this process lives on (a claim is
-    refused while a live process owns it), and no sweep takes the cgroups of a name
-    without an owner for a dead claimer's (census.idle_names)."""
+    binding but no longer owns it: the owner becomes ``HANDED_OVER`` (if it is this
+    process), so the next backend on the root may claim it while this process lives on
+    (a claim is refused while a live process owns it). The sweep treats it as a dead
+    claimer's, as before the hand-over existed (census.idle_names: its *empty* cgroups
+    go - an idle vm tier's base was otherwise left for good)."""
     path = os.path.join(names_dir, cgroup_name)
     with contextlib.suppress(OSError), _names_locked(names_dir):
         if _binding(names_dir, cgroup_name) == (root_dir, process_identity(os.getpid())):
             tmp = f"{path}.{os.getpid()}.tmp"
             with open(tmp, "w") as f:
-                f.write(f"{root_dir}\n\n")
+                f.write(f"{root_dir}\n{HANDED_OVER}\n")
             os.replace(tmp, path)
+
+
+#: the owner of a binding whose backend closed with sandboxes left: no process (never
+#: alive, so claimable and, for the sweep, a dead claimer's); "" stays the legacy
+#: "owner never recorded"
+HANDED_OVER = "-"
 
 
 def release_cgroup_name(cgroup_name: str, root_dir: str, *,
