@@ -30,6 +30,7 @@ import hashlib
 import os
 import re
 import subprocess
+import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -39,6 +40,7 @@ from dsec.image.erofs import ProgressFn
 from dsec.image.manifest import LayerManifest
 from dsec.image.store import LayerStore
 from dsec.image.tree import special_skip
+from dsec.mountshed import shed_argv
 from dsec.rmtree import remove_tree
 
 __all__ = ["DEFAULT_MIRROR", "DEFAULT_REPO_CACHE", "BootstrapPlan", "BootstrapResult",
@@ -108,6 +110,14 @@ class BootstrapPlan:
                         '"$1"/var/cache/apt/*.bin')
         return [*argv, self.suite, target, self.source_line()]
 
+    def keep_paths(self, target: str) -> list[str]:
+        """What mmdebstrap reads or writes outside the system directories: the target
+        and, for a ``file://`` mirror, its directory."""
+        out = [target]
+        if self.mirror.startswith("file://"):
+            out.append(self.mirror.removeprefix("file://"))
+        return out
+
     def key(self) -> str:
         """The cache key of the package set (suite, variant, packages): not the mirror,
         which serves the same packages wherever it is."""
@@ -137,7 +147,7 @@ def repo_dir(plan: BootstrapPlan, cache_root: str = DEFAULT_REPO_CACHE) -> str:
     return os.path.join(cache_root, f"{plan.suite}-{plan.variant}-{plan.key()}")
 
 
-def contained(argv: Sequence[str]) -> list[str]:
+def contained(argv: Sequence[str], keep: Sequence[str] = ()) -> list[str]:
     """``argv`` run so that its mounts and processes die with it and with us: in a
     private mount namespace and its own pid namespace (util-linux ``unshare --mount
     --pid --fork --propagation private``), tied to this process by ``setpriv
@@ -147,10 +157,16 @@ def contained(argv: Sequence[str]) -> list[str]:
     /proc, /sys and the devpts that root-mode mmdebstrap makes in its target, goes with
     its last process). Before this, a kill -9 of dsec + mmdebstrap left those binds in
     the store's tmp/ for good, visible to every process of the host (red team 15, F18).
-    The tree mmdebstrap writes is on the shared filesystem, so the result is seen."""
+    The tree mmdebstrap writes is on the shared filesystem, so the result is seen.
+
+    The namespace's copy of the host's mounts is shed first (:mod:`dsec.mountshed`):
+    all but ``/``, the system and API filesystems and those holding ``keep`` (the
+    target, a file mirror) and ``$TMPDIR`` - a bootstrap no longer pins an edge's disk
+    pool, layers or network namespace pins for its whole run."""
     return ["setpriv", "--pdeathsig", "KILL", "--",
             "unshare", "--mount", "--pid", "--fork", "--kill-child=KILL",
-            "--propagation", "private", "--", *argv]
+            "--propagation", "private", "--",
+            *shed_argv(argv, [*keep, tempfile.gettempdir()])]
 
 
 def _run(argv: Sequence[str], what: str, *, cwd: str | None = None) -> str:
@@ -185,7 +201,8 @@ def _drop_special_files(root: str) -> list[str]:
 def bootstrap_tree(plan: BootstrapPlan, target: str) -> list[str]:
     """mmdebstrap ``plan`` into the directory ``target`` (created), device nodes under
     /dev left out; returns the paths left out."""
-    _run(contained(plan.argv(target)), f"mmdebstrap {plan.suite} from {plan.mirror}")
+    _run(contained(plan.argv(target), plan.keep_paths(target)),
+         f"mmdebstrap {plan.suite} from {plan.mirror}")
     return _drop_special_files(target)
 
 
@@ -233,7 +250,8 @@ def fetch_repo(plan: BootstrapPlan, cache_root: str = DEFAULT_REPO_CACHE) -> str
     os.makedirs(pool)
     try:
         root = os.path.join(work, "root")
-        _run(contained(plan.argv(root, keep_debs_in=pool)), f"mmdebstrap {plan.suite} from {plan.mirror}")
+        _run(contained(plan.argv(root, keep_debs_in=pool), [*plan.keep_paths(root), pool]),
+             f"mmdebstrap {plan.suite} from {plan.mirror}")
         _remove_or_raise(root)
         debs = [n for n in os.listdir(pool) if n.endswith(".deb")]
         if not debs:
