@@ -285,6 +285,33 @@ async def test_a_failed_create_leaves_no_member_and_no_group(
 
 
 @needs_root
+async def test_the_helper_writes_only_the_four_ipc_caps_and_a_refusal_leaves_nothing(
+        grouped: ContainerBackend, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The caps travel to the sandbox's PID 1 (nsexec.c write_ipc_caps), which writes
+    them through its own fresh /proc: any other sysctl name, or a value that is not
+    numbers, fails the create with the reason and leaves no sandbox, member or group -
+    and the host's sysctl is untouched."""
+    import dsec.edge.backends.container.backend as backend_mod
+    b = grouped
+    base = b.governor.layout.bases["memory"]
+    before = _read("/proc/sys/kernel/core_pattern")
+    for caps in ([("core_pattern", "|/bin/false")], [("shmmax", "1;core_pattern=x")],
+                 [("shmmax", "-1")]):
+        monkeypatch.setattr(backend_mod, "new_namespace_ipc_caps", lambda mb, c=caps: c)
+        with pytest.raises(BackendError, match="only shmmax, shmall, msgmni, sem"):
+            await b.create(new_sid(), _spec("p"))
+    monkeypatch.undo()
+    assert _read("/proc/sys/kernel/core_pattern") == before
+    assert b._boxes == {}
+    assert not b._memgroups.groups and not b._memgroups.of
+    assert not [e for e in os.listdir(base) if is_group_name(e)]
+    s = new_sid()
+    await b.create(s, _spec("p"))
+    assert int((await _sh(b, s, "cat /proc/sys/kernel/shmmax")).split()[0]) == \
+        pinned_budget(64 * MIB).shm_bytes
+
+
+@needs_root
 async def test_a_restarted_edge_adopts_members_into_their_group_and_reconciles_the_rest(
         tmp_path: object, images_dir: str) -> None:
     """close() leaves sandboxes running for a later adopt (as a killed edge does): the

@@ -6,6 +6,7 @@ import asyncio
 import os
 import struct
 
+import msgspec
 import pytest
 
 from dsec.edge.backends.container import ContainerBackend
@@ -62,6 +63,12 @@ def test_create_and_kill_requests() -> None:
     assert request_argv(c) == ["create", "/s/r", "2", "/l/2", "/l/1", "/s/u", "/s/w",
                                "sb-1", "1", str(1 << 20), "1", "/cg/x"]
     assert struct.unpack_from("=IIQ", encode(c)) == (1, 0, 3)
+    # the optional tail, in the order nsexec.c takes it from the end: sysfs, scratch,
+    # ipc caps (each with its flag)
+    full = msgspec.structs.replace(c, sysfs="/sys-shared", scratch="/scr/sb-1",
+                                   ipc_caps=(("shmmax", "4096"), ("sem", "1 2 3 4")))
+    assert request_argv(full)[-3:] == ["/sys-shared", "/scr/sb-1", "shmmax=4096;sem=1 2 3 4"]
+    assert struct.unpack_from("=IIQ", encode(full))[1] == 128 | 256 | 1024
     assert encode(Kill(id=9)) == struct.pack("=IIQ", 3, 0, 9)
 
 

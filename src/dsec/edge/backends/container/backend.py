@@ -63,10 +63,10 @@ from dsec.edge.backends.container.census import (
 )
 from dsec.edge.backends.container.density import (
     SUPERBLOCKS_PER_SANDBOX,
-    cap_sysv_ipc,
     make_scratch_dir,
     mount_shared_scratch,
     mount_shared_sysfs,
+    new_namespace_ipc_caps,
     release_shared_scratch,
     remove_scratch_dir,
     uncharged_bytes,
@@ -785,20 +785,11 @@ class ContainerBackend:
                     self._idle_oci_box(cg)
             else:
                 box.init_pid, fd = await self._native_create(box)
-                ipc = -1
                 try:   # read while the pidfd proves the pid still names the init
                     box.init_start = start_time(box.init_pid, running=True) or 0
-                    if self._memgroups.group_of(sid) is not None:
-                        ipc = os.open(f"/proc/{box.init_pid}/ns/ipc",
-                                      os.O_RDONLY | os.O_CLOEXEC)
                     linux.pidfd_send_signal(fd, 0)
                 finally:
                     os.close(fd)   # no descriptor per idle sandbox: the zygote reports exit
-                if ipc >= 0:       # before any command of the tenant's runs
-                    try:
-                        await asyncio.to_thread(cap_sysv_ipc, ipc, spec.memory_bytes)
-                    finally:
-                        os.close(ipc)
                 if not box.init_start:
                     raise BackendError(f"sandbox {sid}'s init (pid {box.init_pid}) exited "
                                        "as it started")
@@ -928,7 +919,11 @@ class ContainerBackend:
                      scratch=make_scratch_dir(self.shared_scratch, box.sid)
                      if self.shared_scratch and self._memgroups.group_of(box.sid) is None
                      else "",
-                     lazy_pts=self.lazy_devpts and not box.spec.user_namespace)
+                     lazy_pts=self.lazy_devpts and not box.spec.user_namespace,
+                     # a member's SysV objects (no OOM kill frees them) capped to its
+                     # own budget in its ipc namespace (red team 26 H, 27 A/I/K)
+                     ipc_caps=tuple(new_namespace_ipc_caps(box.spec.memory_bytes))
+                     if self._memgroups.group_of(box.sid) is not None else ())
 
         def on_reply(reply: Reply, fds: list[int]) -> None:
             if fut.done():   # after Created: the init's exit (Exited) or the zygote's death

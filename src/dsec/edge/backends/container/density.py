@@ -26,9 +26,10 @@ from dsec.edge.backends.container import linux
 from dsec.errors import BackendError
 from dsec.rmtree import remove_tree
 
-__all__ = ["SUPERBLOCKS_PER_SANDBOX", "cap_sysv_ipc", "make_scratch_dir", "mount_shared_scratch",
-           "mount_shared_sysfs", "release_shared_scratch", "remove_scratch_dir", "scratch_dirs", "uncharged_bytes",
-           "unmount_shared_scratch", "unmount_shared_sysfs"]
+__all__ = ["SUPERBLOCKS_PER_SANDBOX", "make_scratch_dir", "mount_shared_scratch",
+           "mount_shared_sysfs", "new_namespace_ipc_caps", "release_shared_scratch",
+           "remove_scratch_dir", "scratch_dirs", "uncharged_bytes", "unmount_shared_scratch",
+           "unmount_shared_sysfs"]
 
 #: overlay root, the scratch tmpfs (/dev, /dev/shm, /tmp, masks), devpts, sysfs, proc and
 #: the mqueue superblock of its ipc namespace (native driver; 9 before issue 22; 5 with
@@ -84,37 +85,19 @@ def ipc_caps(memory_bytes: int, *, page: int, msgmnb: int,
             ("sem", f"{min(semmsl, semmns)} {semmns} {semopm} {min(semmni, 32000)}")]
 
 
-def cap_sysv_ipc(ipc_ns_fd: int, memory_bytes: int) -> None:
-    """Cap the SysV shared memory, message queues and semaphores of the ipc namespace
-    ``ipc_ns_fd`` (a memory-group member's, dsec.edge.memgroups) to its budget
-    (:func:`ipc_caps`). They live as long as the namespace - no OOM kill frees them -
-    and are charged to the memory cgroup, which in a group is the group's: uncapped (the
-    kernel's defaults are unlimited shm, 32,000 queues and 32,000 semaphore arrays) one
-    member could pin its whole group's memory in them and every process of its
-    group-mates would be OOM-killed from then on (red team 26 H, 27 A/I/K). The tenant
-    cannot raise them: /proc/sys is read-only in the sandbox. The ipc sysctls apply to
-    the writing thread's ipc namespace, so the writes run in a thread of their own that
-    joins the namespace and then ends."""
-    import threading
-
-    err: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            linux.setns(ipc_ns_fd, linux.CLONE_NEWIPC)
-            for name, value in ipc_caps(memory_bytes, page=os.sysconf("SC_PAGE_SIZE"),
-                                        msgmnb=_NEW_NS_MSGMNB, sem=_NEW_NS_SEM):
-                with open(f"/proc/sys/kernel/{name}", "w") as f:
-                    f.write(value)
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
-            err.append(exc)
-
-    t = threading.Thread(target=run, name="dsec-ipc-cap")
-    t.start()
-    t.join()
-    if err:
-        raise BackendError(f"cannot cap the SysV IPC of a memory-group member's ipc "
-                           f"namespace: {err[0]}") from err[0]
+def new_namespace_ipc_caps(memory_bytes: int) -> list[tuple[str, str]]:
+    """:func:`ipc_caps` for a member's new ipc namespace (it starts at the kernel's
+    defaults, so nothing is read first). They live as long as the namespace - no OOM
+    kill frees them - and are charged to the memory cgroup, which in a group is the
+    group's: uncapped (the kernel's defaults are unlimited shm, 32,000 queues and 32,000
+    semaphore arrays) one member could pin its whole group's memory in them and every
+    process of its group-mates would be OOM-killed from then on (red team 26 H, 27
+    A/I/K). The sandbox's PID 1 writes them through its own fresh /proc before anything
+    of the tenant's runs (nsexec.c ``write_ipc_caps``: through the host's /proc each
+    write cost more the more namespaces the host had); the tenant cannot raise them:
+    /proc/sys is read-only in the sandbox."""
+    return ipc_caps(memory_bytes, page=os.sysconf("SC_PAGE_SIZE"), msgmnb=_NEW_NS_MSGMNB,
+                    sem=_NEW_NS_SEM)
 
 
 def mount_shared_sysfs(path: str) -> str:

@@ -71,6 +71,10 @@ class Create(msgspec.Struct, tag="create", frozen=True):
     #: (nsexec.c ensure_devpts) - one superblock less per sandbox that never asks for a
     #: terminal; never with ``userns`` (its root may not mount then)
     lazy_pts: bool = False
+    #: a memory group's member: its ipc namespace's SysV caps, ``(name, value)`` of
+    #: kernel.shmmax/shmall/msgmni/sem (density.ipc_caps), written by its PID 1 through
+    #: its own fresh /proc before anything of the tenant's runs (nsexec.c write_ipc_caps)
+    ipc_caps: tuple[tuple[str, str], ...] = ()
 
 
 class Exec(msgspec.Struct, tag="exec", frozen=True):
@@ -174,7 +178,7 @@ _REP = struct.Struct("=iiQiiiI")
 REQ_CREATE, REQ_EXEC, REQ_KILL, REQ_HELPER = 1, 2, 3, 4
 REP_CREATED, REP_STARTED, REP_EXITED, REP_FAILED, REP_RUNNING = 1, 2, 3, 4, 5
 F_BACKGROUND, F_NESTED, F_USERNS, F_NETNS, F_HELPER = 1, 2, 4, 8, 16
-F_TRACK, F_PTY, F_SYSFS, F_SCRATCH, F_LAZYPTS = 32, 64, 128, 256, 512
+F_TRACK, F_PTY, F_SYSFS, F_SCRATCH, F_LAZYPTS, F_IPCCAPS = 32, 64, 128, 256, 512, 1024
 _PTY_MAX = 1023       # cols and rows ride in the flags' bits 12..21 and 22..31
 
 
@@ -200,7 +204,8 @@ def request_argv(req: Request) -> list[str]:
                 str(len(req.cgroup_procs)), *req.cgroup_procs,
                 *((str(req.userns[0]), str(req.userns[1])) if req.userns else ()),
                 *((req.sysfs,) if req.sysfs else ()),
-                *((req.scratch,) if req.scratch else ())]
+                *((req.scratch,) if req.scratch else ()),
+                *((";".join(f"{k}={v}" for k, v in req.ipc_caps),) if req.ipc_caps else ())]
     if isinstance(req, Helper):
         return ["helper", str(len(req.cgroup_procs)), *req.cgroup_procs]
     if isinstance(req, Exec):
@@ -220,7 +225,8 @@ def encode(req: Request) -> bytes:
         kind = REQ_CREATE
         flags = (F_NESTED if req.nested else 0) | (F_USERNS if req.userns else 0) \
             | (F_NETNS if req.netns else 0) | (F_SYSFS if req.sysfs else 0) \
-            | (F_SCRATCH if req.scratch else 0) | (F_LAZYPTS if req.lazy_pts else 0)
+            | (F_SCRATCH if req.scratch else 0) | (F_LAZYPTS if req.lazy_pts else 0) \
+            | (F_IPCCAPS if req.ipc_caps else 0)
     elif isinstance(req, Exec):
         kind = REQ_EXEC
         flags = (F_NESTED if req.nested else 0) | (F_BACKGROUND if req.background else 0) \
