@@ -12,13 +12,20 @@ mounts. Propagation does not help: on a host whose ``/`` is private (no systemd)
 namespace receives no unmount either.
 
 Decision: the helper runs ``python -m dsec.mountshed --keep PATH ... -- ARGV``
-as the first process in its namespace, which detaches (``MNT_DETACH``) every mount but:
+as the first process in its namespace, which makes its ``/`` recursively private (so no
+detach can propagate to a peer: run in a namespace that shared mounts with its caller,
+it unmounted the caller's; run in PID 1's own mount namespace it refuses - red team 28
+F), moves to ``/`` (its working directory held its caller's mount: 28 A), and detaches
+(``MNT_DETACH``) every mount but:
 
 - ``/`` and every mount that is an ancestor of, or is, a kept path (the build target,
   the mirror, ``$TMPDIR``), so what the helper reads and writes is where it was;
 - the API filesystems (``/proc``, ``/sys``, ``/dev`` and all below them);
 - a mount exactly at one of the system directories (``/usr``, ``/etc``, ``/var``, ...):
-  a host that splits its OS over several filesystems still runs the helper's binaries.
+  a host that splits its OS over several filesystems still runs the helper's binaries;
+- everything at or below ``/etc``, and every mount on a single file but a namespace pin
+  (nsfs): the host's configuration as container hosts bind it - ``/etc/resolv.conf``,
+  ``/etc/hosts``, CA bundles (red team 28 D: the default http mirror lost its DNS).
 
 so that only those remain pinned. Mounts are detached deepest first, each lazily (a busy
 one goes with its last user, which is none: nothing else runs in the namespace yet).
@@ -33,7 +40,7 @@ import ctypes.util
 import errno
 import os
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from dsec.rmtree import unescape_mountinfo
 
@@ -45,18 +52,23 @@ SYSTEM_DIRS = frozenset({"/usr", "/etc", "/var", "/var/lib", "/var/cache", "/var
                          "/libx32", "/boot", "/home", "/root", "/run", "/tmp", "/srv"})
 #: kept with everything below them (the kernel's own filesystems and the device tree)
 API_TREES = ("/proc", "/sys", "/dev")
+#: kept with everything below them: the host's configuration, as container hosts bind it
+CONFIG_TREES = ("/etc",)
 
 _MNT_DETACH = 2
+_MS_REC, _MS_PRIVATE = 0x4000, 1 << 18
 
 
 def _within(path: str, top: str) -> bool:
     return top == "/" or path == top or path.startswith(top.rstrip("/") + "/")
 
 
-def foreign_mounts(mountinfo: str, keep: Iterable[str]) -> list[str]:
+def foreign_mounts(mountinfo: str, keep: Iterable[str],
+                   is_dir: Callable[[str], bool] = lambda _p: True) -> list[str]:
     """The mount points of a ``/proc/self/mountinfo`` text to detach, deepest first, one
     entry per mount (a mount point covered twice is listed twice): every mount but those
-    the module docstring keeps. ``keep``: absolute paths (need not exist)."""
+    the module docstring keeps. ``keep``: absolute paths (need not exist); ``is_dir``:
+    whether a mount point is a directory (the I/O, injected)."""
     kept_paths = [os.path.normpath(k) for k in keep]
     out: list[str] = []
     for line in mountinfo.splitlines():
@@ -64,11 +76,15 @@ def foreign_mounts(mountinfo: str, keep: Iterable[str]) -> list[str]:
         if len(fields) < 5:
             continue
         mp = os.path.normpath(unescape_mountinfo(fields[4]))
+        sep = fields.index("-", 6) if "-" in fields[6:] else -1
+        fstype = fields[sep + 1] if 0 < sep < len(fields) - 1 else ""
         if mp == "/" or mp in SYSTEM_DIRS:
             continue
-        if any(_within(mp, api) for api in API_TREES):
+        if any(_within(mp, top) for top in (*API_TREES, *CONFIG_TREES)):
             continue
         if any(_within(k, mp) for k in kept_paths):   # mp is k or one of its ancestors
+            continue
+        if fstype != "nsfs" and not is_dir(mp):      # a file bind: the host's config
             continue
         out.append(mp)
     return sorted(out, key=lambda p: p.count("/"), reverse=True)
@@ -83,9 +99,15 @@ def shed_argv(argv: Sequence[str], keep: Iterable[str]) -> list[str]:
     return [*out, "--", *argv]
 
 
-def _detach(points: Sequence[str]) -> int:
+def _libc() -> ctypes.CDLL:
     libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
     libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
+    libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p,
+                           ctypes.c_ulong, ctypes.c_void_p]
+    return libc
+
+
+def _detach(libc: ctypes.CDLL, points: Sequence[str]) -> int:
     failed = 0
     for mp in points:
         # EINVAL/ENOENT: gone with a parent detached before it (a stacked or
@@ -94,6 +116,13 @@ def _detach(points: Sequence[str]) -> int:
                 and ctypes.get_errno() not in (errno.EINVAL, errno.ENOENT)):
             failed += 1
     return failed
+
+
+def _is_dir(path: str) -> bool:
+    try:
+        return os.path.isdir(path)
+    except OSError:
+        return True
 
 
 def main(args: Sequence[str] | None = None) -> int:
@@ -106,9 +135,23 @@ def main(args: Sequence[str] | None = None) -> int:
     argv = ns.argv[1:] if ns.argv[:1] == ["--"] else ns.argv
     if not argv:
         p.error("no command given after --")
+    try:
+        if os.stat("/proc/self/ns/mnt").st_ino == os.stat("/proc/1/ns/mnt").st_ino:
+            print("dsec.mountshed: refusing to run in PID 1's mount namespace (it detaches "
+                  "mounts: run it as the first process of a new private one, e.g. under "
+                  "unshare --mount)", file=sys.stderr)
+            return 2
+    except OSError:
+        pass   # /proc/1 not ours to read: the private remount below still confines us
+    libc = _libc()
+    if libc.mount(None, b"/", None, _MS_REC | _MS_PRIVATE, None) != 0:
+        print(f"dsec.mountshed: cannot make / private: {os.strerror(ctypes.get_errno())}",
+              file=sys.stderr)
+        return 2
+    os.chdir("/")
     with open("/proc/self/mountinfo") as f:
-        points = foreign_mounts(f.read(), [os.path.realpath(k) for k in ns.keep])
-    if _detach(points):
+        points = foreign_mounts(f.read(), [os.path.realpath(k) for k in ns.keep], _is_dir)
+    if _detach(libc, points):
         # still correct, only pinning more than it needs: say so, run anyway
         print(f"dsec.mountshed: {len(points)} mounts to detach, some refused",
               file=sys.stderr)

@@ -41,14 +41,22 @@ def is_group_name(name: str) -> bool:
     return name.startswith(GROUP_PREFIX)
 
 
-def groupable(user_namespace: bool, allow_nested: bool) -> bool:
+#: the smallest memory_bytes a member may have: below it the floors of what it may pin
+#: (a 1 MiB tmpfs, one page of SysV shm) no longer fit in 15/16 of its own memory
+#: (red team 28 E); a smaller sandbox gets a memory cgroup of its own
+MIN_MEMBER_BYTES = 4 << 20
+
+
+def groupable(user_namespace: bool, allow_nested: bool,
+              memory_bytes: int = MIN_MEMBER_BYTES) -> bool:
     """Whether a sandbox may join a memory group. Not one that can make namespaces of
     its own (``allow_nested``): a new ipc or mount namespace has the kernel's defaults
     again - unlimited SysV shm, a tmpfs of any size - and what it holds is charged to
     the group and outlives OOM kills while a tiny process keeps it (red team 27 B). Not
     a user-namespace sandbox: its ipc namespace belongs to its user namespace, and the
-    edge cannot write its caps (27 F). Both get a memory cgroup of their own."""
-    return not user_namespace and not allow_nested
+    edge cannot write its caps (27 F). Not one under :data:`MIN_MEMBER_BYTES` (28 E).
+    Each of them gets a memory cgroup of its own."""
+    return not user_namespace and not allow_nested and memory_bytes >= MIN_MEMBER_BYTES
 
 
 @dataclass(frozen=True, slots=True)

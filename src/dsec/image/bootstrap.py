@@ -26,6 +26,7 @@ I/O (running mmdebstrap, apt-ftparchive, the store).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import re
@@ -34,6 +35,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from urllib.parse import unquote, urlsplit
 
 from dsec.errors import ImageError, InvalidArgument
 from dsec.image.erofs import ProgressFn
@@ -53,6 +55,8 @@ _SUITE = re.compile(r"^[a-z][a-z0-9-]{0,31}$")
 _PACKAGE = re.compile(r"^[a-z0-9][a-z0-9+.-]{0,99}$")
 _URL = re.compile(r"^(https?|file)://[^\s\[\]]+$")
 _COMPLETE = ".complete"
+#: mmdebstrap's hook that binds a file:// mirror into the target (Debian package mmdebstrap)
+FILE_MIRROR_HOOKS = "/usr/share/mmdebstrap/hooks/file-mirror-automount"
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +85,18 @@ class BootstrapPlan:
         if not _URL.match(self.mirror):
             raise InvalidArgument(f"mirror {self.mirror!r} must be an http(s):// or file:// "
                                   "URL", field="mirror")
+        if self.mirror.startswith("file:") and urlsplit(self.mirror).netloc not in (
+                "", "localhost"):
+            raise InvalidArgument(f"mirror {self.mirror!r}: a file:// URL names a directory "
+                                  "of this machine (file:///path or file://localhost/path)",
+                                  field="mirror")
+
+    def mirror_dir(self) -> str | None:
+        """A ``file://`` mirror's directory (percent-decoded, as apt reads it); None for
+        an http(s) one."""
+        if not self.mirror.startswith("file:"):
+            return None
+        return unquote(urlsplit(self.mirror).path)
 
     @classmethod
     def parse(cls, *, suite: str, include: str | Sequence[str] = (), variant: str = "apt",
@@ -100,6 +116,11 @@ class BootstrapPlan:
         """The mmdebstrap command line bootstrapping into ``target`` (a directory).
         ``keep_debs_in``: also copy every downloaded .deb there (for :func:`fetch_repo`)."""
         argv = ["mmdebstrap", "--quiet", f"--variant={self.variant}", "--format=directory"]
+        if self.mirror_dir() is not None:
+            # root mode installs with dpkg inside the target: the mirror's .debs must be
+            # visible there, which mmdebstrap's own hook does with a bind mount (made in
+            # the contained namespace, so it goes with it; red team 28 B)
+            argv.append(f"--hook-dir={FILE_MIRROR_HOOKS}")
         if self.include:
             argv.append("--include=" + ",".join(self.include))
         if keep_debs_in is not None:
@@ -113,10 +134,8 @@ class BootstrapPlan:
     def keep_paths(self, target: str) -> list[str]:
         """What mmdebstrap reads or writes outside the system directories: the target
         and, for a ``file://`` mirror, its directory."""
-        out = [target]
-        if self.mirror.startswith("file://"):
-            out.append(self.mirror.removeprefix("file://"))
-        return out
+        mirror = self.mirror_dir()
+        return [target] if mirror is None else [target, mirror]
 
     def key(self) -> str:
         """The cache key of the package set (suite, variant, packages): not the mirror,
@@ -163,7 +182,9 @@ def contained(argv: Sequence[str], keep: Sequence[str] = ()) -> list[str]:
     all but ``/``, the system and API filesystems and those holding ``keep`` (the
     target, a file mirror) and ``$TMPDIR`` - a bootstrap no longer pins an edge's disk
     pool, layers or network namespace pins for its whole run."""
-    return ["setpriv", "--pdeathsig", "KILL", "--",
+    # env --chdir=/: a working directory on a host mount would pin it for the whole run
+    # in whichever process still held it (unshare itself waits there; red team 28 A)
+    return ["setpriv", "--pdeathsig", "KILL", "--", "env", "--chdir=/",
             "unshare", "--mount", "--pid", "--fork", "--kill-child=KILL",
             "--propagation", "private", "--",
             *shed_argv(argv, [*keep, tempfile.gettempdir()])]
@@ -203,6 +224,10 @@ def bootstrap_tree(plan: BootstrapPlan, target: str) -> list[str]:
     /dev left out; returns the paths left out."""
     _run(contained(plan.argv(target), plan.keep_paths(target)),
          f"mmdebstrap {plan.suite} from {plan.mirror}")
+    if (mirror := plan.mirror_dir()) is not None:
+        # the file-mirror hook's empty mount point chain, not part of the image
+        with contextlib.suppress(OSError):
+            os.removedirs(os.path.join(target, mirror.lstrip("/")))
     return _drop_special_files(target)
 
 

@@ -18,6 +18,7 @@ from dsec.edge.backends.container import ContainerBackend, DirectoryImages
 from dsec.edge.backends.container.density import uncharged_bytes
 from dsec.edge.memgroups import (
     GROUP_PREFIX,
+    MIN_MEMBER_BYTES,
     MemoryGroups,
     group_name,
     groupable,
@@ -93,23 +94,31 @@ def test_the_host_memory_estimate_splits_the_memcg_between_members() -> None:
 
 
 def test_what_no_oom_kill_frees_fits_in_one_budget_of_the_members_own_memory() -> None:
+    """Worst case of every cap together - tmpfs pages and inodes (~1 KiB each, one per
+    KiB), SysV shm, queues full of 0-byte messages, semaphores - within 15/16 of the
+    member's own memory_bytes, for every size a member may have (red team 28 E: one
+    default queue was 1 MiB whatever the size, the tmpfs floor 1 MiB)."""
     from dsec.edge.backends.container.density import ipc_caps
 
-    for mib in (16, 64, 256, 4096):
-        m = mib * MIB
+    for m in (MIN_MEMBER_BYTES, 5 * MIB, 8 * MIB, 16 * MIB, 64 * MIB, 256 * MIB, 4 << 30):
         b = pinned_budget(m)
-        assert b.tmpfs_bytes * 2 + b.shm_bytes + b.msg_bytes + b.sem_bytes <= m or mib < 8
         caps = dict(ipc_caps(m, page=4096, msgmnb=16384, sem=(32000, 1024000000, 500, 32000)))
         assert int(caps["shmmax"]) == b.shm_bytes and int(caps["shmall"]) * 4096 == b.shm_bytes
-        assert int(caps["msgmni"]) * 16384 * 64 <= max(b.msg_bytes, 16384 * 64)
+        msg = int(caps["msgmni"]) * int(caps["msgmnb"]) * 64
+        assert msg <= b.msg_bytes and int(caps["msgmnb"]) <= 16384
         semmsl, semmns, semopm, semmni = (int(x) for x in caps["sem"].split())
-        assert semmns * 64 + semmni * 256 <= b.sem_bytes and semmsl <= semmns and semopm == 500
+        sem = semmns * 64 + semmni * 256
+        assert sem <= b.sem_bytes and semmsl <= semmns and semopm == 500
+        assert 2 * b.tmpfs_bytes + int(caps["shmall"]) * 4096 + msg + sem <= m * 15 // 16, m
 
 
 def test_only_sandboxes_that_cannot_make_namespaces_join_groups() -> None:
     assert groupable(user_namespace=False, allow_nested=False)
     assert not groupable(user_namespace=True, allow_nested=False)
     assert not groupable(user_namespace=False, allow_nested=True)
+    # below MIN_MEMBER_BYTES the floors (1 MiB tmpfs, a page of shm) would not fit
+    assert groupable(False, False, MIN_MEMBER_BYTES)
+    assert not groupable(False, False, MIN_MEMBER_BYTES - 1)
 
 
 # -- the real backend -------------------------------------------------------------------
@@ -285,7 +294,7 @@ async def test_a_failed_create_leaves_no_member_and_no_group(
 
 
 @needs_root
-async def test_the_helper_writes_only_the_four_ipc_caps_and_a_refusal_leaves_nothing(
+async def test_the_helper_writes_only_the_five_ipc_caps_and_a_refusal_leaves_nothing(
         grouped: ContainerBackend, monkeypatch: pytest.MonkeyPatch) -> None:
     """The caps travel to the sandbox's PID 1 (nsexec.c write_ipc_caps), which writes
     them through its own fresh /proc: any other sysctl name, or a value that is not
@@ -298,7 +307,7 @@ async def test_the_helper_writes_only_the_four_ipc_caps_and_a_refusal_leaves_not
     for caps in ([("core_pattern", "|/bin/false")], [("shmmax", "1;core_pattern=x")],
                  [("shmmax", "-1")]):
         monkeypatch.setattr(backend_mod, "new_namespace_ipc_caps", lambda mb, c=caps: c)
-        with pytest.raises(BackendError, match="only shmmax, shmall, msgmni, sem"):
+        with pytest.raises(BackendError, match="only shmmax, shmall, msgmnb, msgmni, sem"):
             await b.create(new_sid(), _spec("p"))
     monkeypatch.undo()
     assert _read("/proc/sys/kernel/core_pattern") == before

@@ -754,7 +754,8 @@ class ContainerBackend:
                                              spec.project or "", qos_of(spec),
                                              spec.memory_bytes) \
                     if self.memory_group_size > 1 and groupable(spec.user_namespace,
-                                                                spec.allow_nested) else None
+                                                                spec.allow_nested,
+                                                                spec.memory_bytes) else None
                 try:
                     cg = self.governor.create(sid, Limits(
                         spec.cpu_milli, spec.memory_bytes, pids, qos_of(spec),

@@ -71,17 +71,24 @@ _NEW_NS_MSGMNB, _NEW_NS_SEM = 16384, (32000, 1024000000, 500, 32000)
 def ipc_caps(memory_bytes: int, *, page: int, msgmnb: int,
              sem: tuple[int, int, int, int]) -> list[tuple[str, str]]:
     """The ipc sysctls that keep a member's SysV objects inside its budget
-    (:func:`dsec.edge.memgroups.pinned_budget`), as ``(name, value)`` (pure). ``sem``:
-    the namespace's ``kernel.sem`` now (SEMMSL SEMMNS SEMOPM SEMMNI)."""
+    (:func:`dsec.edge.memgroups.pinned_budget`), as ``(name, value)`` (pure). ``msgmnb``
+    and ``sem``: the namespace's ``kernel.msgmnb`` and ``kernel.sem`` now (SEMMSL SEMMNS
+    SEMOPM SEMMNI). A queue holds up to msgmnb bytes *and* up to msgmnb messages, so
+    msgmnb is lowered too when one queue's worst case would not fit: with the default
+    one queue of 0-byte messages pinned 1 MiB whatever the member's size (red team 28
+    E). Raising a queue past msgmnb (msgctl IPC_SET) needs CAP_SYS_RESOURCE, which no
+    sandbox has."""
     from dsec.edge.memgroups import pinned_budget
 
     b = pinned_budget(memory_bytes)
     semmsl, _semmns, semopm, _semmni = sem
     semmns = max(1, b.sem_bytes // 2 // _SEM_BYTES)
     semmni = max(1, b.sem_bytes // 2 // _SEM_ARRAY_BYTES)
+    queue = max(1, min(msgmnb, b.msg_bytes // _MSG_HEADER))
     return [("shmmax", str(max(page, b.shm_bytes))),
             ("shmall", str(max(1, b.shm_bytes // page))),
-            ("msgmni", str(max(1, b.msg_bytes // (_MSG_HEADER * max(1, msgmnb))))),
+            ("msgmnb", str(queue)),
+            ("msgmni", str(max(1, b.msg_bytes // (_MSG_HEADER * queue)))),
             ("sem", f"{min(semmsl, semmns)} {semmns} {semopm} {min(semmni, 32000)}")]
 
 

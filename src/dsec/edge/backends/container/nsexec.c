@@ -1129,7 +1129,7 @@ static void build_root_outer(int nlower, char **lowers, const char *upper, const
 }
 
 /* F_IPCCAPS (a memory group's member, dsec.edge.memgroups): cap its ipc namespace's SysV
- * objects - "shmmax=N;shmall=N;msgmni=N;sem=A B C D", computed by the edge
+ * objects - "shmmax=N;shmall=N;msgmnb=N;msgmni=N;sem=A B C D", computed by the edge
  * (density.ipc_caps). The ipc sysctls are the writer's ipc namespace's, and PID 1 is in
  * the sandbox's. They are written through the procfs PID 1 has just mounted, before the
  * masks make /proc/sys read-only and before any tenant code: through the host's /proc
@@ -1137,9 +1137,9 @@ static void build_root_outer(int nlower, char **lowers, const char *upper, const
  * first lookup in a new namespace walked one hash chain as long as the number of
  * namespaces on the host (measured: ~2 ms per file at 3,000, 16 ms at 5,000 - creates
  * with groups fell to 12/s at 10,000); a fresh procfs has its own dentries (~20 us at
- * any count). Only these four names are ever written. */
+ * any count). Only these five names are ever written. */
 static void write_ipc_caps(void) {
-    static const char *allowed[] = {"shmmax", "shmall", "msgmni", "sem"};
+    static const char *allowed[] = {"shmmax", "shmall", "msgmnb", "msgmni", "sem"};
     char buf[512], path[8192];
     if (strlen(ipc_caps) >= sizeof buf) { errno = E2BIG; die(1, "ipc caps"); }
     snprintf(buf, sizeof buf, "%s", ipc_caps);
@@ -1154,8 +1154,8 @@ static void write_ipc_caps(void) {
             ok |= strcmp(item, allowed[k]) == 0;
         if (!ok || !*value || strspn(value, "0123456789 ") != strlen(value)) {
             errno = EINVAL;
-            die(1, "ipc cap %s=%s (only shmmax, shmall, msgmni, sem with numbers)", item,
-                value);
+            die(1, "ipc cap %s=%s (only shmmax, shmall, msgmnb, msgmni, sem with numbers)",
+                item, value);
         }
         snprintf(path, sizeof path, "%s/sys/kernel/%s", at_root("/proc"), item);
         int fd = open(path, O_WRONLY | O_CLOEXEC);
