@@ -726,7 +726,7 @@ class Governor:
         return SandboxCgroup(self.version, dirs, ("memory",))
 
     def set_group_memory(self, group_dir: str, limit_bytes: int, *, soft_bytes: int,
-                         lower: bool = True) -> bool:
+                         lower: bool = True, force: bool = False) -> bool:
         """Set a memory group's limit (v1 ``memory.limit_in_bytes``, and ``memsw`` to the
         same: no swap beyond it) and soft limit; all three move together or none does.
         Raising writes memsw first (v1 refuses memsw below the limit). Lowering happens
@@ -734,7 +734,10 @@ class Governor:
         limit): the kernel would otherwise push a running member's memory to swap to
         lower the limit and then refuse memsw (EBUSY), leaving memsw above the limit
         (red team 26, B). False if it was not lowered (or ``lower`` is False: a raise
-        only) - the old limit stays, the caller tries again later."""
+        only) - the old limit stays, the caller tries again later. ``force``: lower even
+        if it does not fit yet - the limit's write makes the kernel reclaim (page cache,
+        anon to swap) and memsw's refuses while memory + swap is still over; then both
+        go back (the group's lowering deadline, red team 27 C)."""
         limit = os.path.join(group_dir, "memory.limit_in_bytes")
         memsw = os.path.join(group_dir, "memory.memsw.limit_in_bytes") \
             if self.layout.memsw else None
@@ -742,7 +745,7 @@ class Governor:
         if limit_bytes < current:
             used = os.path.join(group_dir, "memory.memsw.usage_in_bytes" if memsw
                                 else "memory.usage_in_bytes")
-            if not lower or int(_read(used)) > limit_bytes:
+            if not lower or (not force and int(_read(used)) > limit_bytes):
                 # the soft limit goes down at once: under node pressure global reclaim
                 # takes a group holding a departed member's share first (red team 27 C)
                 with contextlib.suppress(OSError):

@@ -23,8 +23,8 @@ import hashlib
 import os
 from dataclasses import dataclass, field
 
-__all__ = ["GROUP_PREFIX", "MemoryGroup", "MemoryGroups", "PinnedBudget", "group_name",
-           "groupable", "is_group_name", "pinned_budget"]
+__all__ = ["GROUP_PREFIX", "LOWER_GRACE_S", "MemoryGroup", "MemoryGroups", "PinnedBudget",
+           "Proc", "group_name", "groupable", "is_group_name", "pick_victim", "pinned_budget"]
 
 #: every group's cgroup dir name starts with this; no sandbox id can ("sb-..."): the
 #: census and the leak checks tell a group from a sandbox by it
@@ -57,6 +57,43 @@ def groupable(user_namespace: bool, allow_nested: bool,
     edge cannot write its caps (27 F). Not one under :data:`MIN_MEMBER_BYTES` (28 E).
     Each of them gets a memory cgroup of its own."""
     return not user_namespace and not allow_nested and memory_bytes >= MIN_MEMBER_BYTES
+
+
+#: how long a group may keep a departed member's share before it is made to fit its
+#: members' new total (reclaim, then kill the process holding the most over its own
+#: share): long enough for a short burst, short enough that the node's admission -
+#: which released that share at the destroy - is not overcommitted for long
+LOWER_GRACE_S = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class Proc:
+    """A member's process as the deadline sees it: its memory (RSS + swap, bytes)."""
+
+    pid: int
+    bytes: int
+    init: bool = False      # the sandbox's PID 1: killed last (its death ends the sandbox)
+
+
+def pick_victim(procs: dict[str, list[Proc]], shares: dict[str, int]) -> tuple[str, Proc] | None:
+    """Which process to kill so that a group over its members' new total can be lowered
+    (pure): in the member holding the most over its own share (``shares``: sandbox ->
+    memory_bytes), its largest process, the init only if nothing else is left. If no
+    member holds more than its share (what is over is not in any process: page cache,
+    kernel memory), the largest process of the group, as the kernel's OOM killer at the
+    group's limit would pick. None: no process at all."""
+    held = {sid: sum(p.bytes for p in ps) for sid, ps in procs.items() if ps}
+    if not held:
+        return None
+    over = {sid: held[sid] - shares.get(sid, 0) for sid in held}
+    worst = max(over, key=lambda s: (over[s], s))
+    pool = {worst: procs[worst]} if over[worst] > 0 else {s: procs[s] for s in held}
+    best: tuple[str, Proc] | None = None
+    for sid, ps in sorted(pool.items()):
+        for p in ps:
+            if best is None or (not p.init, p.bytes) > (not best[1].init, best[1].bytes):
+                best = (sid, p)
+    return best
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +130,9 @@ class MemoryGroup:
     retired: bool = False
     #: its limit is above its members' sum (a lowering waits until the group fits)
     pending: bool = False
+    #: when the lowering began to wait (the backend's clock); past LOWER_GRACE_S the
+    #: group is made to fit (red team 27 C)
+    pending_since: float | None = None
 
     @property
     def name(self) -> str:

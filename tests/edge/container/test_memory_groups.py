@@ -8,6 +8,7 @@ group; a running member's memory is never reclaimed by another's pause."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 from collections.abc import AsyncIterator
 
@@ -20,9 +21,11 @@ from dsec.edge.memgroups import (
     GROUP_PREFIX,
     MIN_MEMBER_BYTES,
     MemoryGroups,
+    Proc,
     group_name,
     groupable,
     is_group_name,
+    pick_victim,
     pinned_budget,
 )
 from dsec.errors import BackendError, InvalidArgument
@@ -110,6 +113,22 @@ def test_what_no_oom_kill_frees_fits_in_one_budget_of_the_members_own_memory() -
         sem = semmns * 64 + semmni * 256
         assert sem <= b.sem_bytes and semmsl <= semmns and semopm == 500
         assert 2 * b.tmpfs_bytes + int(caps["shmall"]) * 4096 + msg + sem <= m * 15 // 16, m
+
+
+def test_the_deadline_kills_in_the_member_most_over_its_share_and_the_init_last() -> None:
+    shares = {"a": 32 * MIB, "b": 64 * MIB}
+    procs = {"a": [Proc(1, 5 * MIB, init=True), Proc(7, 60 * MIB), Proc(8, 70 * MIB)],
+             "b": [Proc(2, 5 * MIB, init=True), Proc(9, 63 * MIB)]}
+    assert pick_victim(procs, shares) == ("a", Proc(8, 70 * MIB))   # a: 103 MiB over 32
+    # the init goes only when nothing else of the member holds memory
+    assert pick_victim({"a": [Proc(1, 90 * MIB, init=True)], "b": []}, shares) == \
+        ("a", Proc(1, 90 * MIB, init=True))
+    # nobody over its share (what is over is page cache, kernel memory): the group's
+    # largest process, as the kernel's OOM killer at the new limit would pick
+    assert pick_victim({"a": [Proc(1, 1 * MIB, init=True), Proc(3, 20 * MIB)],
+                        "b": [Proc(2, 1 * MIB, init=True), Proc(4, 30 * MIB)]}, shares) == \
+        ("b", Proc(4, 30 * MIB))
+    assert pick_victim({"a": [], "b": []}, shares) is None
 
 
 def test_only_sandboxes_that_cannot_make_namespaces_join_groups() -> None:
@@ -318,6 +337,42 @@ async def test_the_helper_writes_only_the_five_ipc_caps_and_a_refusal_leaves_not
     await b.create(s, _spec("p"))
     assert int((await _sh(b, s, "cat /proc/sys/kernel/shmmax")).split()[0]) == \
         pinned_budget(64 * MIB).shm_bytes
+
+
+@needs_root
+async def test_past_the_deadline_page_cache_is_reclaimed_and_nothing_is_killed(
+        tmp_path: object, images_dir: str) -> None:
+    """A group over its members' new total only by page cache (a's file): the deadline
+    lowers it with reclaim - no process is killed, no oom_kill notice."""
+    b = ContainerBackend(root_dir=os.path.join(str(tmp_path), "root"),
+                         images=DirectoryImages(images_dir), memory_group_size=2,
+                         limits_poll_s=0.5, memory_group_grace_s=1.0)
+    try:
+        notices: list[tuple[str, str, str]] = []
+        b.watch(lambda sid, reason, detail: notices.append((sid, reason, detail)))
+        a, big = new_sid(), new_sid()
+        await b.create(a, _spec("p", 32))
+        await b.create(big, _spec("p", 96))
+        gdir = b.memory_group_of(a)
+        assert gdir and gdir == b.memory_group_of(big)
+        await _sh(b, a, "head -c 60m /dev/zero > /big && sync && sleep 300 "
+                        ">/dev/null 2>&1 & echo started")
+        for _ in range(100):
+            if int(_read(os.path.join(gdir, "memory.usage_in_bytes"))) > 40 * MIB:
+                break
+            await asyncio.sleep(0.1)
+        assert int(_read(os.path.join(gdir, "memory.usage_in_bytes"))) > 40 * MIB
+        await b.destroy(big)
+        for _ in range(60):
+            if int(_read(os.path.join(gdir, "memory.limit_in_bytes"))) == 32 * MIB:
+                break
+            await asyncio.sleep(0.25)
+        assert int(_read(os.path.join(gdir, "memory.limit_in_bytes"))) == 32 * MIB
+        assert int(_read(os.path.join(gdir, "memory.memsw.limit_in_bytes"))) == 32 * MIB
+        assert not [n for n in notices if n[1] == "oom_kill"], notices
+        assert "sleep 300" in await _sh(b, a, "ps -o args")
+    finally:
+        await _cleanup(b)
 
 
 @needs_root

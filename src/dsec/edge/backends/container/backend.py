@@ -106,10 +106,13 @@ from dsec.edge.governor import (
     sandbox_pids,
 )
 from dsec.edge.memgroups import (
+    LOWER_GRACE_S,
     MemoryGroup,
     MemoryGroups,
+    Proc,
     groupable,
     is_group_name,
+    pick_victim,
     pinned_budget,
 )
 from dsec.edge.notices import NoticeLimiter
@@ -262,6 +265,7 @@ class ContainerBackend:
                  helper_idle_s: float | None = 60.0,
                  be_cpu_threshold: float | str | None = 0.65,
                  memory_group_size: int | str = 1,
+                 memory_group_grace_s: float | str = LOWER_GRACE_S,
                  clock: Callable[[], float] = time.time) -> None:
         """``max_sandbox_pids``: the most tasks one sandbox may have; a spec asking for more
         is refused, ``pids_max=None`` ("no cap") gets this. ``pids_headroom``: pids kept
@@ -343,6 +347,10 @@ class ContainerBackend:
         "Memory groups"); the trade: a sandbox may use memory its group-mates leave
         unused, and at the group's limit the OOM killer may pick a process of any of
         them. Nothing else is shared (:mod:`dsec.edge.memgroups`).
+        ``memory_group_grace_s``: how long a group may hold more than its members' total
+        after one left (default 10 s); then it is made to fit - reclaim, then the
+        process holding the most over its own sandbox's share is killed (an
+        ``oom_kill`` notice names it).
         ``runsc_binary``, ``gvisor_platform``: gVisor's runsc and its platform for
         ``runtime="runsc"`` (None: probed once per node, see :mod:`.runsc`)."""
         if isinstance(be_cpu_threshold, str):   # (refused before anything is made)
@@ -365,6 +373,14 @@ class ContainerBackend:
                                   "number (1: a memory cgroup per sandbox; k >= 2: up to k "
                                   "sandboxes of a project share one)",
                                   field="memory_group_size") from None
+        try:
+            memory_group_grace_s = float(memory_group_grace_s)
+        except ValueError:
+            raise InvalidArgument(f"memory_group_grace_s {memory_group_grace_s!r} is not a "
+                                  "number of seconds", field="memory_group_grace_s") from None
+        if not memory_group_grace_s >= 0:
+            raise InvalidArgument(f"memory_group_grace_s={memory_group_grace_s} must be 0 or "
+                                  "more seconds", field="memory_group_grace_s")
         if memory_group_size < 1:
             raise InvalidArgument(f"memory_group_size={memory_group_size} must be at least 1 "
                                   "(1: a memory cgroup per sandbox)", field="memory_group_size")
@@ -442,6 +458,7 @@ class ContainerBackend:
             #: memory groups (issue 22 density trade; size 1: none is made, but groups an
             #: earlier edge made are still tracked for their members' adopt and teardown)
             self.memory_group_size = memory_group_size
+            self.memory_group_grace_s = memory_group_grace_s
             self._memgroups = MemoryGroups(max(2, memory_group_size))
             self._unsettled: set[str] = set()   # groups the limits timer settles
             #: CPU pinning per QoS class (issue 22; None: none)
@@ -1250,6 +1267,10 @@ class ContainerBackend:
             g.pending = True
             return
         g.pending = not done
+        if not g.pending:
+            g.pending_since = None
+        elif g.pending_since is None and lower:
+            g.pending_since = self.clock()
         self._mark_unsettled(g)
         if not done and lower:
             log.info("memory group %s holds more than its members' new total of %d "
@@ -1279,6 +1300,69 @@ class ContainerBackend:
         except OSError as exc:
             log.warning("memory group %s: %s", g.dir, exc)
 
+    def _make_group_fit(self, g: MemoryGroup) -> None:
+        """A group past its lowering deadline (red team 27 C: a member that kept using
+        its departed group-mate's share kept it for good, while the node's admission had
+        released it at the destroy): lower it with reclaim; if memory + swap is still
+        over, kill the process holding the most over its own sandbox's share
+        (:func:`~dsec.edge.memgroups.pick_victim`), one per limits tick, as the kernel's
+        OOM killer would at the new limit. The next tick lowers it once it fits."""
+        soft = 0 if g.key[1] == "be" else g.limit_bytes
+        try:
+            if self.governor.set_group_memory(g.dir, g.limit_bytes, soft_bytes=soft,
+                                              force=True):
+                g.pending, g.pending_since = False, None
+                self._mark_unsettled(g)
+                return
+        except OSError as exc:
+            log.warning("memory group %s: cannot lower its limit: %s", g.dir, exc)
+        procs = {sid: self._member_procs(sid) for sid in g.members}
+        victim = pick_victim(procs, dict(g.members))
+        if victim is None:
+            return
+        sid, proc = victim
+        box = self._boxes.get(sid)
+        if box is None or not self._kill_member_proc(box, proc.pid):
+            return
+        held = sum(p.bytes for p in procs[sid])
+        self._notice(box, "oom_kill", (
+            f"dsec killed process {proc.pid} ({proc.bytes} bytes of memory + swap"
+            f"{', the sandbox init' if proc.init else ''}) in sandbox {sid}: its memory "
+            f"group {g.name} still held more than its members' total of {g.limit_bytes} "
+            f"bytes {self.memory_group_grace_s:g} s after a member left, and this sandbox's "
+            f"processes held {held} bytes against its memory_bytes of "
+            f"{g.members[sid]} (docs/container.md 'Memory groups')"))
+
+    def _member_procs(self, sid: str) -> list[Proc]:
+        """A group member's processes and their memory (RSS + swap), from its own pids
+        cgroup (v1, flat: exec'd processes too); ~20 us per process."""
+        box = self._boxes.get(sid)
+        if box is None:
+            return []
+        out = []
+        for pid in self.governor.pids(box.cg):
+            used = _rss_and_swap(pid)
+            if used is not None:
+                out.append(Proc(pid=pid, bytes=used, init=pid == box.init_pid))
+        return out
+
+    def _kill_member_proc(self, box: Box, pid: int) -> bool:
+        """SIGKILL ``pid`` if it is still one of ``box``'s: a pidfd first, then the
+        membership check, so a pid reused since the read is never signalled."""
+        try:
+            fd = os.pidfd_open(pid)
+        except OSError:
+            return False
+        try:
+            if pid not in self.governor.pids(box.cg):
+                return False
+            linux.pidfd_send_signal(fd, signal.SIGKILL)
+            return True
+        except OSError:
+            return False
+        finally:
+            os.close(fd)
+
     def _mark_unsettled(self, g: MemoryGroup) -> None:
         if g.pending or g.retired:
             self._unsettled.add(g.dir)
@@ -1294,6 +1378,9 @@ class ContainerBackend:
             if g is None:
                 self._unsettled.discard(d)
                 continue
+            if (g.pending and g.members and g.pending_since is not None
+                    and self.clock() - g.pending_since >= self.memory_group_grace_s):
+                self._make_group_fit(g)
             self._settle_group(g)
             if d not in self._memgroups.groups:
                 self._unsettled.discard(d)
@@ -2816,4 +2903,19 @@ def _tree_bytes(path: str) -> int:
             except OSError as exc:
                 if exc.errno != errno.ENOENT:
                     raise
+    return total
+
+
+def _rss_and_swap(pid: int) -> int | None:
+    """A process's resident + swapped memory in bytes (/proc/PID/status VmRSS +
+    VmSwap; a kernel thread has neither: 0); None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            text = f.read()
+    except OSError:
+        return None
+    total = 0
+    for line in text.splitlines():
+        if line.startswith((b"VmRSS:", b"VmSwap:")):
+            total += int(line.split()[1]) * 1024
     return total
