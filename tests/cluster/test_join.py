@@ -57,7 +57,10 @@ class EdgeProc:
         self.log = state_dir.parent / f"{state_dir.name}.log"
 
     def start(self, *args: str, env: dict[str, str] | None = None) -> EdgeProc:
-        pre = ["ip", "netns", "exec", self.netns] if self.netns else []
+        # nsenter, not `ip netns exec`: that makes a mount namespace too, a copy of
+        # every host mount (on a host whose / is private), which pinned other tests'
+        # disk pools and loop devices for as long as this edge ran
+        pre = ["nsenter", f"--net=/run/netns/{self.netns}", "--"] if self.netns else []
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(
                 [*pre, *DSEC, "edge", "--listen", self.listen, "--state-dir",

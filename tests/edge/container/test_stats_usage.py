@@ -115,7 +115,8 @@ def test_net_bytes_counts_a_namespace_s_interfaces_but_loopback() -> None:
                     ["ip", "-n", ns, "addr", "add", f"10.251.{x}.2/30", "dev", b],
                     ["ip", "-n", ns, "link", "set", b, "up"]):
             subprocess.run(cmd, check=True)
-        proc = subprocess.Popen(["ip", "netns", "exec", ns, "sleep", "60"])
+        # nsenter: no mount namespace copy (which would pin every host mount while it ran)
+        proc = subprocess.Popen(["nsenter", f"--net=/run/netns/{ns}", "--", "sleep", "60"])
         for _ in range(100):
             if net_bytes(proc.pid)[0] is not None:
                 break
