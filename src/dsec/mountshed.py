@@ -12,7 +12,9 @@ mounts. Propagation does not help: on a host whose ``/`` is private (no systemd)
 namespace receives no unmount either.
 
 Decision: the helper runs ``python -m dsec.mountshed --keep PATH ... -- ARGV``
-as the first process in its namespace, which makes its ``/`` recursively private (so no
+as the first process in its namespace, which unshares a mount namespace of its own
+(started in one its caller shares, it stripped the caller's: red team 29 E), makes its
+``/`` recursively private (so no
 detach can propagate to a peer: run in a namespace that shared mounts with its caller,
 it unmounted the caller's; run in PID 1's own mount namespace it refuses - red team 28
 F), moves to ``/`` (its working directory held its caller's mount: 28 A), and detaches
@@ -57,6 +59,7 @@ CONFIG_TREES = ("/etc",)
 
 _MNT_DETACH = 2
 _MS_REC, _MS_PRIVATE = 0x4000, 1 << 18
+_CLONE_NEWNS = 0x00020000
 
 
 def _within(path: str, top: str) -> bool:
@@ -102,6 +105,7 @@ def shed_argv(argv: Sequence[str], keep: Iterable[str]) -> list[str]:
 def _libc() -> ctypes.CDLL:
     libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
     libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
+    libc.unshare.argtypes = [ctypes.c_int]
     libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p,
                            ctypes.c_ulong, ctypes.c_void_p]
     return libc
@@ -144,6 +148,13 @@ def main(args: Sequence[str] | None = None) -> int:
     except OSError:
         pass   # /proc/1 not ours to read: the private remount below still confines us
     libc = _libc()
+    # a namespace of its own first: started in one that other processes share (a
+    # service's, a container's, one entered with nsenter -m), the detaches below would
+    # strip theirs (red team 29 E); from the copy, nothing reaches back
+    if libc.unshare(_CLONE_NEWNS) != 0:
+        print(f"dsec.mountshed: cannot make a mount namespace: "
+              f"{os.strerror(ctypes.get_errno())}", file=sys.stderr)
+        return 2
     if libc.mount(None, b"/", None, _MS_REC | _MS_PRIVATE, None) != 0:
         print(f"dsec.mountshed: cannot make / private: {os.strerror(ctypes.get_errno())}",
               file=sys.stderr)

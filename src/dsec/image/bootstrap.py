@@ -168,8 +168,8 @@ def repo_dir(plan: BootstrapPlan, cache_root: str = DEFAULT_REPO_CACHE) -> str:
 
 def contained(argv: Sequence[str], keep: Sequence[str] = ()) -> list[str]:
     """``argv`` run so that its mounts and processes die with it and with us: in a
-    private mount namespace and its own pid namespace (util-linux ``unshare --mount
-    --pid --fork --propagation private``), tied to this process by ``setpriv
+    private mount namespace (made by :mod:`dsec.mountshed`, its first process) and its
+    own pid namespace (util-linux ``unshare --pid --fork``), tied to this process by ``setpriv
     --pdeathsig KILL`` (unshare dies with us) and ``--kill-child=KILL`` (its child, the
     namespace's init, dies with unshare; the kernel then kills every process of the
     pid namespace, and the mount namespace, with the binds of the host's /dev/shm,
@@ -178,15 +178,16 @@ def contained(argv: Sequence[str], keep: Sequence[str] = ()) -> list[str]:
     the store's tmp/ for good, visible to every process of the host (red team 15, F18).
     The tree mmdebstrap writes is on the shared filesystem, so the result is seen.
 
-    The namespace's copy of the host's mounts is shed first (:mod:`dsec.mountshed`):
+    The mount namespace is made by :mod:`dsec.mountshed` itself (an outer one from
+    ``unshare --mount`` would keep a full copy of the host's mounts in the waiting
+    ``unshare``), which sheds the copy first:
     all but ``/``, the system and API filesystems and those holding ``keep`` (the
     target, a file mirror) and ``$TMPDIR`` - a bootstrap no longer pins an edge's disk
     pool, layers or network namespace pins for its whole run."""
     # env --chdir=/: a working directory on a host mount would pin it for the whole run
     # in whichever process still held it (unshare itself waits there; red team 28 A)
     return ["setpriv", "--pdeathsig", "KILL", "--", "env", "--chdir=/",
-            "unshare", "--mount", "--pid", "--fork", "--kill-child=KILL",
-            "--propagation", "private", "--",
+            "unshare", "--pid", "--fork", "--kill-child=KILL", "--",
             *shed_argv(argv, [*keep, tempfile.gettempdir()])]
 
 
