@@ -24,7 +24,8 @@ import os
 from dataclasses import dataclass, field
 
 __all__ = ["GROUP_PREFIX", "LOWER_GRACE_S", "MemoryGroup", "MemoryGroups", "PinnedBudget",
-           "Proc", "group_name", "groupable", "is_group_name", "pick_victim", "pinned_budget"]
+           "Proc", "Strike", "group_name", "groupable", "is_group_name", "kill_freed_nothing",
+           "member_figure", "pick_victim", "pinned_budget"]
 
 #: every group's cgroup dir name starts with this; no sandbox id can ("sb-..."): the
 #: census and the leak checks tell a group from a sandbox by it
@@ -75,25 +76,58 @@ class Proc:
     init: bool = False      # the sandbox's PID 1: killed last (its death ends the sandbox)
 
 
-def pick_victim(procs: dict[str, list[Proc]], shares: dict[str, int]) -> tuple[str, Proc] | None:
+@dataclass(frozen=True, slots=True)
+class Strike:
+    """The deadline's last kill in a group: whose, that member's figure before it and
+    what the victim held - to see whether the kill freed anything."""
+
+    sid: str
+    figure: int
+    freed: int
+
+
+def member_figure(procs: list[Proc], pinned: int) -> int:
+    """What a member holds: its processes' proportional memory (PSS + swap: a page
+    shared by its processes counts once) and what it pins without any process mapping
+    it (detached SysV shm, message queues, its tmpfs)."""
+    return sum(p.bytes for p in procs) + pinned
+
+
+def pick_victim(procs: dict[str, list[Proc]], shares: dict[str, int],
+                pinned: dict[str, int] | None = None) -> tuple[str, Proc] | None:
     """Which process to kill so that a group over its members' new total can be lowered
-    (pure): in the member holding the most over its own share (``shares``: sandbox ->
-    memory_bytes), its largest process, the init only if nothing else is left. If no
-    member holds more than its share (what is over is not in any process: page cache,
-    kernel memory), the largest process of the group, as the kernel's OOM killer at the
-    group's limit would pick. None: no process at all."""
-    held = {sid: sum(p.bytes for p in ps) for sid, ps in procs.items() if ps}
-    if not held:
-        return None
-    over = {sid: held[sid] - shares.get(sid, 0) for sid in held}
-    worst = max(over, key=lambda s: (over[s], s))
-    pool = {worst: procs[worst]} if over[worst] > 0 else {s: procs[s] for s in held}
+    (pure). In the member holding the most over its own share (``shares``: sandbox ->
+    memory_bytes; figures by :func:`member_figure`, ``pinned``: sandbox -> bytes), its
+    largest process, the init last (its death ends the sandbox - and its ipc namespace
+    and tmpfs with it: the only way to free what it pins). Only if no member holds more
+    than its share (what is over is in no one's figure: shared page cache, kernel
+    memory) the group's largest process, as the kernel's OOM killer at the group's limit
+    would pick - never a member within its share while another is over it (red team 29
+    A). None: nothing to kill."""
+    pinned = pinned or {}
+    figures = {sid: member_figure(procs.get(sid, []), pinned.get(sid, 0))
+               for sid in set(procs) | set(pinned)}
+    over = {sid: figures[sid] - shares.get(sid, 0) for sid in figures}
+    candidates = [s for s in figures if over[s] > 0]
+    if candidates:
+        worst = max(candidates, key=lambda s: (over[s], s))
+        pool = {worst: procs.get(worst, [])}
+    else:
+        pool = {s: ps for s, ps in procs.items() if ps}
     best: tuple[str, Proc] | None = None
     for sid, ps in sorted(pool.items()):
         for p in ps:
             if best is None or (not p.init, p.bytes) > (not best[1].init, best[1].bytes):
                 best = (sid, p)
     return best
+
+
+def kill_freed_nothing(last: Strike | None, sid: str, figure: int) -> bool:
+    """Whether the deadline's last kill in ``sid`` freed (almost) nothing: the member
+    still holds more than its figure then less half of what the victim held - shared
+    memory another process keeps, a supervisor that starts the victim again. Then the
+    whole member goes (red team 29 B: one process per tick never converged)."""
+    return last is not None and last.sid == sid and figure > last.figure - last.freed // 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,9 +164,14 @@ class MemoryGroup:
     retired: bool = False
     #: its limit is above its members' sum (a lowering waits until the group fits)
     pending: bool = False
-    #: when the lowering began to wait (the backend's clock); past LOWER_GRACE_S the
-    #: group is made to fit (red team 27 C)
+    #: when the lowering began to wait (monotonic); past the grace the group is made to
+    #: fit (red team 27 C). Cleared only by a lowering that succeeds or once the members
+    #: it waited for (``debtors``) are gone - a sibling that joins and leaves (the join
+    #: "raises" to the limit it has) does not start the grace again (red team 29 D)
     pending_since: float | None = None
+    debtors: frozenset[str] = frozenset()
+    #: the deadline's last kill here
+    strike: Strike | None = None
 
     @property
     def name(self) -> str:

@@ -22,9 +22,11 @@ from dsec.edge.memgroups import (
     MIN_MEMBER_BYTES,
     MemoryGroups,
     Proc,
+    Strike,
     group_name,
     groupable,
     is_group_name,
+    kill_freed_nothing,
     pick_victim,
     pinned_budget,
 )
@@ -129,6 +131,16 @@ def test_the_deadline_kills_in_the_member_most_over_its_share_and_the_init_last(
                         "b": [Proc(2, 1 * MIB, init=True), Proc(4, 30 * MIB)]}, shares) == \
         ("b", Proc(4, 30 * MIB))
     assert pick_victim({"a": [], "b": []}, shares) is None
+    # what a member pins with no process (detached shm, queues, its tmpfs) counts as
+    # its own: b stays within its share, so nothing of b goes (red team 29 A)
+    assert pick_victim({"a": [Proc(1, 1 * MIB, init=True), Proc(3, 20 * MIB)],
+                        "b": [Proc(2, 1 * MIB, init=True), Proc(4, 50 * MIB)]}, shares,
+                       {"a": 22 * MIB}) == ("a", Proc(3, 20 * MIB))
+    # a kill that freed (almost) nothing: the whole member goes next (red team 29 B)
+    last = Strike(sid="a", figure=100 * MIB, freed=33 * MIB)
+    assert kill_freed_nothing(last, "a", 99 * MIB)
+    assert not kill_freed_nothing(last, "a", 67 * MIB)
+    assert not kill_freed_nothing(last, "b", 99 * MIB) and not kill_freed_nothing(None, "a", 1)
 
 
 def test_only_sandboxes_that_cannot_make_namespaces_join_groups() -> None:

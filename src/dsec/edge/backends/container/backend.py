@@ -37,6 +37,7 @@ import resource
 import secrets
 import signal
 import stat
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from collections.abc import Set as AbstractSet
@@ -110,8 +111,11 @@ from dsec.edge.memgroups import (
     MemoryGroup,
     MemoryGroups,
     Proc,
+    Strike,
     groupable,
     is_group_name,
+    kill_freed_nothing,
+    member_figure,
     pick_victim,
     pinned_budget,
 )
@@ -461,6 +465,7 @@ class ContainerBackend:
             self.memory_group_grace_s = memory_group_grace_s
             self._memgroups = MemoryGroups(max(2, memory_group_size))
             self._unsettled: set[str] = set()   # groups the limits timer settles
+            self._fitting: set[str] = set()     # groups a deadline step is working on
             #: CPU pinning per QoS class (issue 22; None: none)
             self.qos_cpus = None if qos_cpus is None else parse_class_cpus(
                 qos_cpus, parse_cpulist(self.governor.node_cpus))
@@ -1259,6 +1264,7 @@ class ContainerBackend:
         raise only (adopt: members not adopted yet still run in the group)."""
         soft = 0 if g.key[1] == "be" else g.limit_bytes
         try:
+            before = self.governor.group_use(g.dir)[0]
             done = self.governor.set_group_memory(g.dir, g.limit_bytes, soft_bytes=soft,
                                                   lower=lower)
         except OSError as exc:
@@ -1266,11 +1272,12 @@ class ContainerBackend:
                         g.dir, g.limit_bytes, exc)
             g.pending = True
             return
+        lowered = done and lower and g.limit_bytes < before
         g.pending = not done
-        if not g.pending:
-            g.pending_since = None
-        elif g.pending_since is None and lower:
-            g.pending_since = self.clock()
+        if g.pending and lower and g.pending_since is None:
+            g.pending_since, g.debtors, g.strike = time.monotonic(), frozenset(g.members), None
+        elif g.pending_since is not None and (lowered or not g.debtors & set(g.members)):
+            g.pending_since, g.debtors, g.strike = None, frozenset(), None
         self._mark_unsettled(g)
         if not done and lower:
             log.info("memory group %s holds more than its members' new total of %d "
@@ -1300,51 +1307,104 @@ class ContainerBackend:
         except OSError as exc:
             log.warning("memory group %s: %s", g.dir, exc)
 
-    def _make_group_fit(self, g: MemoryGroup) -> None:
+    async def _make_group_fit(self, g: MemoryGroup) -> None:
         """A group past its lowering deadline (red team 27 C: a member that kept using
         its departed group-mate's share kept it for good, while the node's admission had
-        released it at the destroy): lower it with reclaim; if memory + swap is still
-        over, kill the process holding the most over its own sandbox's share
-        (:func:`~dsec.edge.memgroups.pick_victim`), one per limits tick, as the kernel's
-        OOM killer would at the new limit. The next tick lowers it once it fits."""
-        soft = 0 if g.key[1] == "be" else g.limit_bytes
+        released it at the destroy). One step per limits tick, on the loop but never
+        blocking it (red team 29 C):
+
+        - if what it holds less its clean file cache fits, lower with reclaim (the
+          limit's write drops that cache - no writeback, no swap - and memsw's follows);
+        - otherwise kill, as the kernel's OOM killer would at the new limit, in the
+          member most over its own share by what it really holds - its processes' PSS
+          + swap and what it pins with no process (:func:`memgroups.pick_victim`; 29 A)
+          - its largest process; if the last kill there freed nothing (shared memory a
+          supervisor keeps, a process started again: 29 B), every process of it, its
+          init too, which ends the sandbox and frees its ipc namespace and tmpfs.
+
+        The member gets an ``oom_kill`` notice naming what went and why."""
         try:
-            if self.governor.set_group_memory(g.dir, g.limit_bytes, soft_bytes=soft,
-                                              force=True):
-                g.pending, g.pending_since = False, None
-                self._mark_unsettled(g)
+            if g.dir not in self._memgroups.groups or not g.pending:
                 return
-        except OSError as exc:
-            log.warning("memory group %s: cannot lower its limit: %s", g.dir, exc)
-        procs = {sid: self._member_procs(sid) for sid in g.members}
-        victim = pick_victim(procs, dict(g.members))
-        if victim is None:
-            return
-        sid, proc = victim
-        box = self._boxes.get(sid)
-        if box is None or not self._kill_member_proc(box, proc.pid):
-            return
-        held = sum(p.bytes for p in procs[sid])
-        self._notice(box, "oom_kill", (
-            f"dsec killed process {proc.pid} ({proc.bytes} bytes of memory + swap"
-            f"{', the sandbox init' if proc.init else ''}) in sandbox {sid}: its memory "
-            f"group {g.name} still held more than its members' total of {g.limit_bytes} "
-            f"bytes {self.memory_group_grace_s:g} s after a member left, and this sandbox's "
-            f"processes held {held} bytes against its memory_bytes of "
-            f"{g.members[sid]} (docs/container.md 'Memory groups')"))
+            soft = 0 if g.key[1] == "be" else g.limit_bytes
+            try:
+                _limit, used, clean = self.governor.group_use(g.dir)
+                # the write only drops clean cache: ~1 ms per 100 MiB here
+                if used - clean <= g.limit_bytes and self.governor.set_group_memory(
+                        g.dir, g.limit_bytes, soft_bytes=soft, force=True):
+                    g.pending, g.pending_since, g.debtors, g.strike = \
+                        False, None, frozenset(), None
+                    return
+            except OSError as exc:
+                log.warning("memory group %s: cannot lower its limit: %s", g.dir, exc)
+            members = dict(g.members)
+            procs = {sid: self._member_procs(sid) for sid in members}
+            pinned = {sid: await asyncio.to_thread(self._member_pinned, sid)
+                      for sid in members}
+            if g.dir not in self._memgroups.groups or not g.pending or g.members != members:
+                return              # changed while the pins were read: the next tick
+            victim = pick_victim(procs, members, pinned)
+            if victim is None:
+                return
+            sid, proc = victim
+            box = self._boxes.get(sid)
+            if box is None:
+                return
+            figure = member_figure(procs[sid], pinned[sid])
+            why = (f"its memory group {g.name} still held more than its members' total of "
+                   f"{g.limit_bytes} bytes {self.memory_group_grace_s:g} s after a member "
+                   f"left, and sandbox {sid} held {figure} bytes (its processes' PSS + "
+                   f"swap, and {pinned[sid]} pinned in SysV IPC and its tmpfs) against "
+                   f"its memory_bytes of {members[sid]} (docs/container.md 'Memory "
+                   "groups')")
+            if kill_freed_nothing(g.strike, sid, figure):
+                g.strike = None
+                self._notice(box, "oom_kill", f"dsec killed every process of sandbox "
+                             f"{sid}, its init too (so the sandbox ends): {why}; killing "
+                             "its largest process had freed nothing")
+                await asyncio.to_thread(self.governor.kill_all, box.cg)
+                return
+            if self._kill_member_proc(box, proc.pid):
+                g.strike = Strike(sid=sid, figure=figure, freed=proc.bytes)
+                self._notice(box, "oom_kill", (
+                    f"dsec killed process {proc.pid} ({proc.bytes} bytes"
+                    f"{', the sandbox init' if proc.init else ''}) in sandbox {sid}: {why}"))
+        finally:
+            self._fitting.discard(g.dir)
 
     def _member_procs(self, sid: str) -> list[Proc]:
-        """A group member's processes and their memory (RSS + swap), from its own pids
-        cgroup (v1, flat: exec'd processes too); ~20 us per process."""
+        """A group member's processes and their memory (PSS + swap: a page its
+        processes share counts once), from its own pids cgroup (v1, flat: exec'd
+        processes too)."""
         box = self._boxes.get(sid)
         if box is None:
             return []
         out = []
         for pid in self.governor.pids(box.cg):
-            used = _rss_and_swap(pid)
+            used = _pss_and_swap(pid)
             if used is not None:
                 out.append(Proc(pid=pid, bytes=used, init=pid == box.init_pid))
         return out
+
+    def _member_pinned(self, sid: str) -> int:
+        """What a member holds with no process mapping it (thread: it joins the
+        member's ipc namespace): SysV shm segments no one attaches, message queues at
+        their kernel cost, and its own tmpfs (/tmp, /dev, /dev/shm)."""
+        box = self._boxes.get(sid)
+        if box is None or not box.init_pid:
+            return 0
+        total = 0
+        with contextlib.suppress(OSError):
+            v = os.statvfs(f"/proc/{box.init_pid}/root/tmp")
+            total += (v.f_blocks - v.f_bfree) * v.f_frsize
+        try:
+            fd = os.open(f"/proc/{box.init_pid}/ns/ipc", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return total
+        try:
+            return total + _sysvipc_pinned(fd)
+        finally:
+            os.close(fd)
 
     def _kill_member_proc(self, box: Box, pid: int) -> bool:
         """SIGKILL ``pid`` if it is still one of ``box``'s: a pidfd first, then the
@@ -1379,8 +1439,15 @@ class ContainerBackend:
                 self._unsettled.discard(d)
                 continue
             if (g.pending and g.members and g.pending_since is not None
-                    and self.clock() - g.pending_since >= self.memory_group_grace_s):
-                self._make_group_fit(g)
+                    and time.monotonic() - g.pending_since >= self.memory_group_grace_s
+                    and d not in self._fitting):
+                self._fitting.add(d)
+                task = asyncio.get_running_loop().create_task(self._make_group_fit(g))
+                self._cleanups.add(task)
+                task.add_done_callback(self._cleanups.discard)
+                continue            # its settle is the task's, after it
+            if d in self._fitting:
+                continue
             self._settle_group(g)
             if d not in self._memgroups.groups:
                 self._unsettled.discard(d)
@@ -2906,16 +2973,52 @@ def _tree_bytes(path: str) -> int:
     return total
 
 
-def _rss_and_swap(pid: int) -> int | None:
-    """A process's resident + swapped memory in bytes (/proc/PID/status VmRSS +
-    VmSwap; a kernel thread has neither: 0); None if it is gone."""
+def _pss_and_swap(pid: int) -> int | None:
+    """A process's proportional resident + swapped memory in bytes
+    (/proc/PID/smaps_rollup Pss + SwapPss: a page shared by n processes counts 1/n in
+    each; ~1 ms per 100 MiB mapped); None if it is gone. A zombie or kernel thread: 0."""
     try:
-        with open(f"/proc/{pid}/status", "rb") as f:
+        with open(f"/proc/{pid}/smaps_rollup", "rb") as f:
             text = f.read()
-    except OSError:
+    except FileNotFoundError:
         return None
+    except OSError:
+        return 0
     total = 0
     for line in text.splitlines():
-        if line.startswith((b"VmRSS:", b"VmSwap:")):
+        if line.startswith((b"Pss:", b"SwapPss:")):
             total += int(line.split()[1]) * 1024
     return total
+
+
+def _sysvipc_pinned(ipc_ns_fd: int) -> int:
+    """Bytes the SysV objects of the ipc namespace ``ipc_ns_fd`` pin that no process
+    maps: shm segments with no attach (rss + swap) and message queues (their bytes and
+    ~64 B per message). Runs in the calling thread, which joins the namespace: the
+    /proc/sysvipc files show the reader's (a thread of its own: call via to_thread)."""
+    out: list[int] = []
+    err: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            linux.setns(ipc_ns_fd, linux.CLONE_NEWIPC)
+            total = 0
+            with open("/proc/sysvipc/shm") as f:
+                head = f.readline().split()
+                for line in f:
+                    row = dict(zip(head, line.split(), strict=False))
+                    if row.get("nattch") == "0":
+                        total += int(row.get("rss", 0)) + int(row.get("swap", 0))
+            with open("/proc/sysvipc/msg") as f:
+                head = f.readline().split()
+                for line in f:
+                    row = dict(zip(head, line.split(), strict=False))
+                    total += int(row.get("cbytes", 0)) + 64 * int(row.get("qnum", 0))
+            out.append(total)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            err.append(exc)
+
+    t = threading.Thread(target=run, name="dsec-ipc-read")
+    t.start()
+    t.join()
+    return out[0] if out else 0
