@@ -85,3 +85,8 @@ async def test_b_deadline_makes_a_shared_memory_group_fit(pairs: ContainerBacken
         f"{usage >> 20} MiB; dsec SIGKILLed {len(kills)} of a's processes meanwhile "
         f"(pids {kills[:6]}...), each freeing nothing; oom_kill notices: "
         f"{sum(1 for n in notices if n[1] == 'oom_kill')}")
+    # the whole member went (a kill of one process freed nothing): its death is an
+    # event with the reason, not a backend crash
+    deaths = [n for n in notices if n[0] == a and n[1] in ("oom", "backend_crash")]
+    assert deaths and deaths[-1][1] == "oom" and "dsec killed every process" in deaths[-1][2], \
+        deaths

@@ -1233,10 +1233,11 @@ class ContainerBackend:
         box.exited.set()
         if box.dying:
             return
-        oom = self._check_oom(box, report=False)
+        oom = self._check_oom(box, report=False) or bool(box.kill_reason)
         reason = "oom" if oom else "backend_crash"
         detail = (f"the sandbox's init (pid {box.init_pid}) exited"
-                  + (f" after the OOM killer fired in its cgroup (memory limit "
+                  + (f": {box.kill_reason}" if box.kill_reason else
+                     f" after the OOM killer fired in its cgroup (memory limit "
                      f"{box.spec.memory_bytes} bytes)" if oom else ""))
         if not oom and self._runsc is not None \
                 and self.governor.pids_limit_hits(box.cg) > box.pids_seen:
@@ -1359,6 +1360,7 @@ class ContainerBackend:
                    "groups')")
             if kill_freed_nothing(g.strike, sid, figure):
                 g.strike = None
+                box.kill_reason = f"dsec killed every process of it: {why}"
                 self._notice(box, "oom_kill", f"dsec killed every process of sandbox "
                              f"{sid}, its init too (so the sandbox ends): {why}; killing "
                              "its largest process had freed nothing")

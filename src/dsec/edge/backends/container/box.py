@@ -45,6 +45,9 @@ class Box:
     netns_fd: int = -1            # the router slot's netns it joined (the router's fd)
     oom_fd: int | None = None
     oom_seen: int = 0
+    #: set when the edge itself kills every process of the sandbox (a memory group's
+    #: lowering deadline): the reason its init's death is reported with
+    kill_reason: str = ""
     pids_seen: int = 0            # pids.events "max" already reported
     # exec cgroups whose command exited normally but left processes behind (daemons a
     # foreground command started): removed once empty, or with the sandbox
