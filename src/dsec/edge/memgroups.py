@@ -78,56 +78,50 @@ class Proc:
 
 @dataclass(frozen=True, slots=True)
 class Strike:
-    """The deadline's last kill in a group: whose, that member's figure before it and
-    what the victim held - to see whether the kill freed anything."""
+    """The deadline's last kill in a group: whose, the group's memory + swap before it
+    and what the victim held - to see whether the kill freed anything."""
 
     sid: str
-    figure: int
+    group_used: int
     freed: int
 
 
 def member_figure(procs: list[Proc], pinned: int) -> int:
     """What a member holds: its processes' proportional memory (PSS + swap: a page
-    shared by its processes counts once) and what it pins without any process mapping
-    it (detached SysV shm, message queues, its tmpfs)."""
+    shared by its processes counts once) and what it pins with no process mapping it
+    (detached SysV shm, message queues, its tmpfs mounts)."""
     return sum(p.bytes for p in procs) + pinned
 
 
 def pick_victim(procs: dict[str, list[Proc]], shares: dict[str, int],
                 pinned: dict[str, int] | None = None) -> tuple[str, Proc] | None:
     """Which process to kill so that a group over its members' new total can be lowered
-    (pure). In the member holding the most over its own share (``shares``: sandbox ->
-    memory_bytes; figures by :func:`member_figure`, ``pinned``: sandbox -> bytes), its
-    largest process, the init last (its death ends the sandbox - and its ipc namespace
-    and tmpfs with it: the only way to free what it pins). Only if no member holds more
-    than its share (what is over is in no one's figure: shared page cache, kernel
-    memory) the group's largest process, as the kernel's OOM killer at the group's limit
-    would pick - never a member within its share while another is over it (red team 29
-    A). None: nothing to kill."""
+    (pure): in the member holding the most over its own share (``shares``: sandbox ->
+    memory_bytes; figures by :func:`member_figure`, ``pinned``: sandbox -> bytes) among
+    those with a process, its largest process, the init last (its death ends the
+    sandbox - and its ipc namespace and tmpfs with it). None if no member is over its
+    share: what is over is in no one's figure (shared page cache, kernel memory, an
+    unmapped memfd), and killing by size there killed a member within its share (red
+    team 29 A, 30 A) - the group then stays pending, its soft limit at the sum."""
     pinned = pinned or {}
-    figures = {sid: member_figure(procs.get(sid, []), pinned.get(sid, 0))
-               for sid in set(procs) | set(pinned)}
-    over = {sid: figures[sid] - shares.get(sid, 0) for sid in figures}
-    candidates = [s for s in figures if over[s] > 0]
-    if candidates:
-        worst = max(candidates, key=lambda s: (over[s], s))
-        pool = {worst: procs.get(worst, [])}
-    else:
-        pool = {s: ps for s, ps in procs.items() if ps}
-    best: tuple[str, Proc] | None = None
-    for sid, ps in sorted(pool.items()):
-        for p in ps:
-            if best is None or (not p.init, p.bytes) > (not best[1].init, best[1].bytes):
-                best = (sid, p)
-    return best
+    over = {sid: member_figure(ps, pinned.get(sid, 0)) - shares.get(sid, 0)
+            for sid, ps in procs.items() if ps}
+    candidates = [s for s in over if over[s] > 0]
+    if not candidates:
+        return None
+    worst = max(candidates, key=lambda s: (over[s], s))
+    best = max(procs[worst], key=lambda p: (not p.init, p.bytes))
+    return worst, best
 
 
-def kill_freed_nothing(last: Strike | None, sid: str, figure: int) -> bool:
-    """Whether the deadline's last kill in ``sid`` freed (almost) nothing: the member
-    still holds more than its figure then less half of what the victim held - shared
-    memory another process keeps, a supervisor that starts the victim again. Then the
-    whole member goes (red team 29 B: one process per tick never converged)."""
-    return last is not None and last.sid == sid and figure > last.figure - last.freed // 2
+def kill_freed_nothing(last: Strike | None, sid: str, group_used: int) -> bool:
+    """Whether the deadline's last kill in ``sid`` (a member over its own share) freed
+    (almost) nothing: the group still holds more than it did then less half of what the
+    victim held - shared memory another process keeps, a process started again. Then
+    the whole member goes (red team 29 B). Judged by the group's usage, not the
+    member's PSS, which rises in the survivors of a copy-on-write pair (30 B)."""
+    return (last is not None and last.sid == sid
+            and group_used > last.group_used - last.freed // 2)
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,7 +197,10 @@ class MemoryGroups:
         if sid in self.of:
             raise ValueError(f"sandbox {sid} is in memory group {self.of[sid]} already")
         key = (project, qos)
+        # never one waiting to be lowered: it holds more than its members' total, and a
+        # join there would hide that (red team 29 D) - or race its deadline's write
         open_ = [g for g in self.groups.values() if g.key == key and not g.retired
+                 and not g.pending
                  and os.path.dirname(g.dir) == parent and len(g.members) < self.size]
         if open_:
             g = max(open_, key=lambda g: (len(g.members), g.dir))

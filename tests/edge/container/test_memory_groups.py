@@ -125,19 +125,23 @@ def test_the_deadline_kills_in_the_member_most_over_its_share_and_the_init_last(
     # the init goes only when nothing else of the member holds memory
     assert pick_victim({"a": [Proc(1, 90 * MIB, init=True)], "b": []}, shares) == \
         ("a", Proc(1, 90 * MIB, init=True))
-    # nobody over its share (what is over is page cache, kernel memory): the group's
-    # largest process, as the kernel's OOM killer at the new limit would pick
+    # nobody over its share (what is over is page cache, kernel memory, an unmapped
+    # memfd): nothing is killed - by size it was a member within its share (30 A)
     assert pick_victim({"a": [Proc(1, 1 * MIB, init=True), Proc(3, 20 * MIB)],
-                        "b": [Proc(2, 1 * MIB, init=True), Proc(4, 30 * MIB)]}, shares) == \
-        ("b", Proc(4, 30 * MIB))
+                        "b": [Proc(2, 1 * MIB, init=True), Proc(4, 30 * MIB)]},
+                       shares) is None
+    # a member over its share with no process left (a dead one) is passed over
+    assert pick_victim({"a": [], "b": [Proc(2, 1 * MIB, init=True), Proc(4, 70 * MIB)]},
+                       shares, {"a": 90 * MIB}) == ("b", Proc(4, 70 * MIB))
     assert pick_victim({"a": [], "b": []}, shares) is None
     # what a member pins with no process (detached shm, queues, its tmpfs) counts as
     # its own: b stays within its share, so nothing of b goes (red team 29 A)
     assert pick_victim({"a": [Proc(1, 1 * MIB, init=True), Proc(3, 20 * MIB)],
                         "b": [Proc(2, 1 * MIB, init=True), Proc(4, 50 * MIB)]}, shares,
                        {"a": 22 * MIB}) == ("a", Proc(3, 20 * MIB))
-    # a kill that freed (almost) nothing: the whole member goes next (red team 29 B)
-    last = Strike(sid="a", figure=100 * MIB, freed=33 * MIB)
+    # a kill that freed (almost) nothing of the group's memory: the whole member goes
+    # next (red team 29 B; judged by the group's usage, 30 B)
+    last = Strike(sid="a", group_used=100 * MIB, freed=33 * MIB)
     assert kill_freed_nothing(last, "a", 99 * MIB)
     assert not kill_freed_nothing(last, "a", 67 * MIB)
     assert not kill_freed_nothing(last, "b", 99 * MIB) and not kill_freed_nothing(None, "a", 1)

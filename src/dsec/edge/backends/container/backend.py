@@ -1294,6 +1294,9 @@ class ContainerBackend:
             self._settle_group(g)
 
     def _settle_group(self, g: MemoryGroup) -> None:
+        if g.dir in self._fitting:        # a deadline step runs: the tick after it
+            self._unsettled.add(g.dir)
+            return
         try:
             if g.members:
                 self._set_group_limit(g)
@@ -1311,54 +1314,57 @@ class ContainerBackend:
     async def _make_group_fit(self, g: MemoryGroup) -> None:
         """A group past its lowering deadline (red team 27 C: a member that kept using
         its departed group-mate's share kept it for good, while the node's admission had
-        released it at the destroy). One step per limits tick, on the loop but never
-        blocking it (red team 29 C):
+        released it at the destroy). One step per limits tick, every slow part in a
+        worker thread (the limit's write can reclaim for seconds, PSS reads walk page
+        tables: red team 29 C, 30 D/F); the group takes no new member meanwhile
+        (a pending group never does) and its other settles wait for the step:
 
-        - if what it holds less its clean file cache fits, lower with reclaim (the
-          limit's write drops that cache - no writeback, no swap - and memsw's follows);
+        - if what it holds less its clean, unmapped file cache fits, lower with reclaim
+          (the limit's write drops that cache; memsw's follows);
         - otherwise kill, as the kernel's OOM killer would at the new limit, in the
           member most over its own share by what it really holds - its processes' PSS
           + swap and what it pins with no process (:func:`memgroups.pick_victim`; 29 A)
-          - its largest process; if the last kill there freed nothing (shared memory a
-          supervisor keeps, a process started again: 29 B), every process of it, its
-          init too, which ends the sandbox and frees its ipc namespace and tmpfs.
+          - its largest process; if the last kill there freed nothing of the group's
+          memory (29 B), every process of it, its init too, which ends the sandbox and
+          frees its ipc namespace and tmpfs. No member over its share: nothing is
+          killed (30 A); the group waits, its soft limit at the sum.
 
-        The member gets an ``oom_kill`` notice naming what went and why."""
+        Each kill is an ``oom_kill`` notice; a whole member's end is its death reason."""
         try:
             if g.dir not in self._memgroups.groups or not g.pending:
                 return
             soft = 0 if g.key[1] == "be" else g.limit_bytes
             try:
                 _limit, used, clean = self.governor.group_use(g.dir)
-                # the write only drops clean cache: ~1 ms per 100 MiB here
-                if used - clean <= g.limit_bytes and self.governor.set_group_memory(
-                        g.dir, g.limit_bytes, soft_bytes=soft, force=True):
+                if used - clean <= g.limit_bytes and await asyncio.to_thread(
+                        self.governor.set_group_memory, g.dir, g.limit_bytes,
+                        soft_bytes=soft, force=True):
                     g.pending, g.pending_since, g.debtors, g.strike = \
                         False, None, frozenset(), None
                     return
             except OSError as exc:
                 log.warning("memory group %s: cannot lower its limit: %s", g.dir, exc)
+                return
             members = dict(g.members)
-            procs = {sid: self._member_procs(sid) for sid in members}
-            pinned = {sid: await asyncio.to_thread(self._member_pinned, sid)
-                      for sid in members}
+            live = {sid: box for sid in members
+                    if (box := self._boxes.get(sid)) is not None and not box.exited.is_set()
+                    and not box.dying}
+            procs, pinned = await asyncio.to_thread(self._member_figures, live)
             if g.dir not in self._memgroups.groups or not g.pending or g.members != members:
-                return              # changed while the pins were read: the next tick
+                return              # changed while it was read: the next tick
             victim = pick_victim(procs, members, pinned)
             if victim is None:
                 return
             sid, proc = victim
-            box = self._boxes.get(sid)
-            if box is None:
-                return
+            box = live[sid]
             figure = member_figure(procs[sid], pinned[sid])
-            why = (f"its memory group {g.name} still held more than its members' total of "
-                   f"{g.limit_bytes} bytes {self.memory_group_grace_s:g} s after a member "
-                   f"left, and sandbox {sid} held {figure} bytes (its processes' PSS + "
-                   f"swap, and {pinned[sid]} pinned in SysV IPC and its tmpfs) against "
-                   f"its memory_bytes of {members[sid]} (docs/container.md 'Memory "
-                   "groups')")
-            if kill_freed_nothing(g.strike, sid, figure):
+            why = (f"its memory group {g.name} still held {used} bytes, more than its "
+                   f"members' total of {g.limit_bytes}, {self.memory_group_grace_s:g} s "
+                   f"after a member left, and sandbox {sid} held {figure} bytes (its "
+                   f"processes' PSS + swap, and {pinned[sid]} pinned in SysV IPC and its "
+                   f"tmpfs) against its memory_bytes of {members[sid]} (docs/container.md "
+                   "'Memory groups')")
+            if kill_freed_nothing(g.strike, sid, used):
                 g.strike = None
                 box.kill_reason = f"dsec killed every process of it: {why}"
                 self._notice(box, "oom_kill", f"dsec killed every process of sandbox "
@@ -1367,46 +1373,50 @@ class ContainerBackend:
                 await asyncio.to_thread(self.governor.kill_all, box.cg)
                 return
             if self._kill_member_proc(box, proc.pid):
-                g.strike = Strike(sid=sid, figure=figure, freed=proc.bytes)
+                g.strike = Strike(sid=sid, group_used=used, freed=proc.bytes)
                 self._notice(box, "oom_kill", (
                     f"dsec killed process {proc.pid} ({proc.bytes} bytes"
                     f"{', the sandbox init' if proc.init else ''}) in sandbox {sid}: {why}"))
         finally:
             self._fitting.discard(g.dir)
 
-    def _member_procs(self, sid: str) -> list[Proc]:
-        """A group member's processes and their memory (PSS + swap: a page its
-        processes share counts once), from its own pids cgroup (v1, flat: exec'd
-        processes too)."""
-        box = self._boxes.get(sid)
-        if box is None:
-            return []
-        out = []
-        for pid in self.governor.pids(box.cg):
-            used = _pss_and_swap(pid)
-            if used is not None:
-                out.append(Proc(pid=pid, bytes=used, init=pid == box.init_pid))
-        return out
-
-    def _member_pinned(self, sid: str) -> int:
-        """What a member holds with no process mapping it (thread: it joins the
-        member's ipc namespace): SysV shm segments no one attaches, message queues at
-        their kernel cost, and its own tmpfs (/tmp, /dev, /dev/shm)."""
-        box = self._boxes.get(sid)
-        if box is None or not box.init_pid:
-            return 0
-        total = 0
-        with contextlib.suppress(OSError):
-            v = os.statvfs(f"/proc/{box.init_pid}/root/tmp")
-            total += (v.f_blocks - v.f_bfree) * v.f_frsize
-        try:
-            fd = os.open(f"/proc/{box.init_pid}/ns/ipc", os.O_RDONLY | os.O_CLOEXEC)
-        except OSError:
-            return total
-        try:
-            return total + _sysvipc_pinned(fd)
-        finally:
-            os.close(fd)
+    def _member_figures(self, live: dict[str, Box]
+                        ) -> tuple[dict[str, list[Proc]], dict[str, int]]:
+        """(thread) Each live member's processes with their PSS + swap (a page its
+        processes share counts once; from its own pids cgroup, v1 flat: exec'd processes
+        too), and what it pins with no process mapping it: SysV shm segments no one
+        attaches and message queues (read in its ipc namespace), its tmpfs mounts (/tmp,
+        /dev, /dev/shm). Reached through its init only while that pid is still its init
+        (start time): a dead member's reused pid is another process (red team 30 E)."""
+        procs: dict[str, list[Proc]] = {}
+        pinned: dict[str, int] = {}
+        for sid, box in live.items():
+            procs[sid] = [Proc(pid=pid, bytes=used, init=pid == box.init_pid)
+                          for pid in self.governor.pids(box.cg)
+                          if (used := _pss_and_swap(pid)) is not None]
+            pinned[sid] = 0
+            if not box.init_start or start_time(box.init_pid) != box.init_start:
+                continue
+            root = f"/proc/{box.init_pid}/root"
+            with contextlib.suppress(OSError):
+                seen = {os.stat(root).st_dev}        # the overlay root: not a tmpfs
+                for path in ("tmp", "dev", "dev/shm"):
+                    st = os.stat(f"{root}/{path}")
+                    if st.st_dev in seen:
+                        continue
+                    seen.add(st.st_dev)
+                    v = os.statvfs(f"{root}/{path}")
+                    pinned[sid] += (v.f_blocks - v.f_bfree) * v.f_frsize
+            try:
+                fd = os.open(f"/proc/{box.init_pid}/ns/ipc", os.O_RDONLY | os.O_CLOEXEC)
+            except OSError:
+                continue
+            try:
+                if start_time(box.init_pid) == box.init_start:   # still its init's
+                    pinned[sid] += _sysvipc_pinned(fd)
+            finally:
+                os.close(fd)
+        return procs, pinned
 
     def _kill_member_proc(self, box: Box, pid: int) -> bool:
         """SIGKILL ``pid`` if it is still one of ``box``'s: a pidfd first, then the
