@@ -71,14 +71,25 @@ def test_lost_node_is_evicted_and_its_sandboxes_are_destroyed_on_return(
         _until("both edges healthy", lambda: _health(http) == {"edge-0": True, "edge-1": True})
         made = [http.post("/v1/sandboxes", json={"project": "team/a", "labels": {"t": "x"}})
                 for _ in range(12)]
-        assert all(r.status_code == 201 for r in made), [r.text for r in made]
         by_node: dict[str, list[str]] = {}
         for r in made:
+            assert r.status_code == 201, r.text
+            by_node.setdefault(r.json()["node"], []).append(r.json()["id"])
+        # an edge that missed its 2 s TTL under load for a moment is rightly passed over
+        # (a full run once placed all 12 on one): more, while both are healthy, until
+        # placement has used both - at most 24 in all
+        while set(by_node) != {"edge-0", "edge-1"} and len(made) < 24:
+            _until("both edges healthy",
+                   lambda: _health(http) == {"edge-0": True, "edge-1": True})
+            r = http.post("/v1/sandboxes", json={"project": "team/a", "labels": {"t": "x"}})
+            assert r.status_code == 201, r.text
+            made.append(r)
             by_node.setdefault(r.json()["node"], []).append(r.json()["id"])
         assert set(by_node) == {"edge-0", "edge-1"}, "placement should use both edges"
+        n = len(made)
         lost, kept = by_node["edge-1"], by_node["edge-0"]
         assert _listed(http, label="t=x") == set(lost) | set(kept)
-        assert http.get("/v1/projects/team").json()["usage"]["sandboxes"] == 12
+        assert http.get("/v1/projects/team").json()["usage"]["sandboxes"] == n
 
         cluster.stop_edge("edge-1")
         # Creates while edge-1 is silent: before expiry placement may still pick it, the
@@ -99,7 +110,7 @@ def test_lost_node_is_evicted_and_its_sandboxes_are_destroyed_on_return(
         r = http.post(f"/v1/sandboxes/{lost[0]}/exec", json={"argv": ["true"]})
         assert r.status_code == 409 and "node_lost" in r.json()["message"]
         assert http.delete(f"/v1/sandboxes/{lost[0]}").status_code == 204
-        assert http.get("/v1/projects/team").json()["usage"]["sandboxes"] == 12 - len(lost) + 4
+        assert http.get("/v1/projects/team").json()["usage"]["sandboxes"] == n - len(lost) + 4
         assert _health(http) == {"edge-0": True, "edge-1": False}
         after = [http.post("/v1/sandboxes", json={"project": "team/a"}).json()["node"]
                  for _ in range(4)]
@@ -121,7 +132,7 @@ def test_lost_node_is_evicted_and_its_sandboxes_are_destroyed_on_return(
         _until("edge-1 healthy again", lambda: _health(http)["edge-1"])
         # not resurrected: the list and the quota still count only the survivors
         assert _listed(http, label="t=x") == set(kept)
-        assert http.get("/v1/projects/team").json()["usage"]["sandboxes"] == 12 - len(lost) + 8
+        assert http.get("/v1/projects/team").json()["usage"]["sandboxes"] == n - len(lost) + 8
         events = http.get(f"/v1/sandboxes/{lost[1]}/events").json()["items"]
         assert events[-1]["reason"] == "node_lost"
 
