@@ -772,20 +772,20 @@ class Governor:
         _write(os.path.join(group_dir, "memory.soft_limit_in_bytes"), str(soft_bytes))
         return True
 
-    def group_use(self, group_dir: str) -> tuple[int, int, int]:
-        """A memory group's (limit, memory + swap in use, clean file cache): the cache
-        is what the limit's write can reclaim at once (no writeback, no swap)."""
-        limit = int(_read(os.path.join(group_dir, "memory.limit_in_bytes")))
+    @staticmethod
+    def group_limit(group_dir: str) -> int:
+        """A memory group's limit now (one small read: on every join and leave)."""
+        return int(_read(os.path.join(group_dir, "memory.limit_in_bytes")))
+
+    def group_use(self, group_dir: str) -> tuple[int, int]:
+        """A memory group's (memory + swap in use, clean file cache): the cache is what
+        the limit's write can reclaim at once (no writeback, no swap)."""
         used = int(_read(os.path.join(group_dir, "memory.memsw.usage_in_bytes"
                                       if self.layout.memsw else "memory.usage_in_bytes")))
-        stat: dict[str, int] = {}
-        for line in _read(os.path.join(group_dir, "memory.stat")).splitlines():
-            k, _, v = line.partition(" ")
-            if v.isdigit():
-                stat[k] = int(v)
+        stat = parse_keyed(_read(os.path.join(group_dir, "memory.stat")))
         clean = (stat.get("total_inactive_file", 0) + stat.get("total_active_file", 0)
                  - stat.get("total_dirty", 0) - stat.get("total_writeback", 0))
-        return limit, used, max(0, clean)
+        return used, max(0, clean)
 
     @staticmethod
     def remove_group(group_dir: str) -> bool:

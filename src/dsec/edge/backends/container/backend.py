@@ -1265,7 +1265,7 @@ class ContainerBackend:
         raise only (adopt: members not adopted yet still run in the group)."""
         soft = 0 if g.key[1] == "be" else g.limit_bytes
         try:
-            before = self.governor.group_use(g.dir)[0]
+            before = self.governor.group_limit(g.dir)
             done = self.governor.set_group_memory(g.dir, g.limit_bytes, soft_bytes=soft,
                                                   lower=lower)
         except OSError as exc:
@@ -1335,7 +1335,7 @@ class ContainerBackend:
                 return
             soft = 0 if g.key[1] == "be" else g.limit_bytes
             try:
-                _limit, used, clean = self.governor.group_use(g.dir)
+                used, clean = self.governor.group_use(g.dir)
                 if used - clean <= g.limit_bytes and await asyncio.to_thread(
                         self.governor.set_group_memory, g.dir, g.limit_bytes,
                         soft_bytes=soft, force=True):
